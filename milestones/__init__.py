@@ -1,0 +1,13 @@
+"""An LLM inference engine built up in six milestones; each ``milestones.mK`` is a complete engine.
+
+``CHANGED_FILES`` declares, for every milestone after the first, which files it
+changes from the previous one (new files included). Every other file must stay
+byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
+checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
+"""
+
+MILESTONES = ["m1"]
+
+CHANGED_FILES: dict[str, set[str]] = {
+    "m1": set(),
+}

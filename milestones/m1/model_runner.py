@@ -1,0 +1,45 @@
+"""Own the model and its KV cache; turn a scheduled batch into tensors, run it, sample.
+
+m1 runs exactly one sequence per step, so the "batch" is that sequence's new tokens:
+the whole prompt at prefill, the last sampled token at decode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionContext
+from .config import EngineConfig
+from .model import CausalLM, ModelConfig
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
+        self.config = config
+        self.device = config.device
+        self.model = CausalLM.from_pretrained(model_path, model_config, config.max_model_len, config.device, config.dtype)
+        # One contiguous cache row per position, for every layer, allocated once up front.
+        shape = (model_config.num_layers, config.max_model_len, model_config.num_kv_heads, model_config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.sampler = Sampler(config.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Compute the batch's new tokens and sample one token per sequence."""
+        (seq,), (num_new,) = batch.seqs, batch.num_new_tokens
+        start = seq.num_computed_tokens
+        input_ids = torch.tensor(seq.token_ids[start : start + num_new], device=self.device)
+        positions = torch.arange(start, start + num_new, device=self.device)
+        ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=positions, context_len=start + num_new)
+        hidden = self.model(input_ids, positions, ctx)
+        logits = self.model.compute_logits(hidden[-1:])  # only the last position predicts a new token
+        return self.sampler(logits, [seq])

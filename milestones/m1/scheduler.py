@@ -1,0 +1,56 @@
+"""Decide what runs in the next step. m1: one request at a time, first come first served.
+
+Plain Python (no torch). The running request is prefilled in one step (all its
+prompt tokens), then decoded one token per step until it finishes; only then is
+the next waiting request admitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The work of one step: these sequences, each with this many new tokens to compute."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: Sequence | None = None
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.running is not None or bool(self.waiting)
+
+    def schedule(self) -> ScheduledBatch | None:
+        if self.running is None:
+            if not self.waiting:
+                return None
+            self.running = self.waiting.popleft()
+            self.running.status = SequenceStatus.RUNNING
+        seq = self.running
+        # Prefill computes the whole prompt; afterwards only the last sampled token is new.
+        return ScheduledBatch([seq], [seq.num_tokens - seq.num_computed_tokens])
+
+    def finish(self, seq: Sequence) -> None:
+        """Forget a sequence that has finished (or been aborted) so its cache can be reused."""
+        if self.running is seq:
+            self.running = None
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        candidates = ([self.running] if self.running else []) + list(self.waiting)
+        return next((s for s in candidates if s.request_id == request_id), None)
