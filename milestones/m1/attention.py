@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 
+# --8<-- [start:context]
 @dataclass(slots=True)
 class AttentionContext:
     """What attention needs to know about this step, built by the model runner."""
@@ -22,8 +23,10 @@ class AttentionContext:
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens]: the cache row of each new token
     context_len: int  # rows filled once this step's tokens are written
+# --8<-- [end:context]
 
 
+# --8<-- [start:attention]
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext) -> torch.Tensor:
     """q: [n, heads, dim]; k, v: [n, kv_heads, dim] for the n new tokens. Returns [n, heads, dim]."""
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
@@ -36,8 +39,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     # Prefill: the prompt's n tokens fill rows 0..n-1, and token i may see tokens 0..i.
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, enable_gqa=True)
     return out.transpose(0, 1)
+# --8<-- [end:attention]
 
 
+# --8<-- [start:decode_attention]
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """One new token sees every cached row, so no mask is needed.
 
@@ -50,3 +55,4 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     scores = torch.bmm(q, keys.transpose(1, 2)) * dim**-0.5  # [kv_heads, group, context_len]
     out = torch.bmm(scores.float().softmax(dim=-1).to(values.dtype), values)
     return out.view(1, -1, dim)
+# --8<-- [end:decode_attention]

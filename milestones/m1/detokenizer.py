@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)  # tokens before this are already in self.text
         self.text = ""
 
+    # --8<-- [start:add_token]
     def add_token(self, token_id: int) -> str | None:
         """Append one token's text; return the stop string it completed, if any."""
         self.tokens.append(token_id)
@@ -40,6 +41,7 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
         self.text += new_text
         return self._truncate_at_stop(len(new_text))
+    # --8<-- [end:add_token]
 
     def _truncate_at_stop(self, num_new_chars: int) -> str | None:
         # A stop string completed by this token must end inside the new text.

@@ -42,6 +42,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
 
+    # --8<-- [start:add_request]
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; return its id."""
         params = SamplingParams() if params is None else params
@@ -69,6 +70,7 @@ class LLMEngine:
         )
         self.scheduler.add(seq)
         return request_id
+    # --8<-- [end:add_request]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -85,6 +87,7 @@ class LLMEngine:
             raise ValueError(f"token ids must be in [0, {vocab}) for this model; got {bad[:5]}")
         return token_ids
 
+    # --8<-- [start:step]
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return an output for every request that gained a token or finished."""
         batch = self.scheduler.schedule()
@@ -106,7 +109,9 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             outputs.append(RequestOutput.from_sequence(seq))
         return outputs
+    # --8<-- [end:step]
 
+    # --8<-- [start:stop_rules]
     def _append_token(self, seq: Sequence, token: int) -> None:
         """Record a sampled token and apply the stop rules, in vLLM's order."""
         now = time.perf_counter()
@@ -123,6 +128,7 @@ class LLMEngine:
             seq.finish("length")
         elif seq.num_tokens >= self.config.max_model_len:
             seq.finish("length")
+    # --8<-- [end:stop_rules]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request now; its partial output is returned."""
@@ -135,6 +141,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def kv_usage(self) -> dict[str, int]:
+        """KV cache bytes reserved up front vs bytes holding tokens of running requests right now."""
+        computed = sum(seq.num_computed_tokens for seq in self.scheduler.running_seqs())
+        return {"reserved_bytes": self.runner.kv_cache_bytes, "used_bytes": computed * self.runner.kv_bytes_per_token}
 
 
 def _eos_token_ids(path) -> set[int]:

@@ -28,6 +28,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    # --8<-- [start:generate]
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -53,6 +54,7 @@ class LLM:
                 self.engine.abort_request(request_id)
             raise ValueError(f"prompt {len(request_ids)}: {err}") from None
         return self._run(request_ids, use_tqdm and len(prompts) > 1)
+    # --8<-- [end:generate]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""

@@ -72,6 +72,7 @@ class ModelConfig:
         )
 
 
+# --8<-- [start:rmsnorm]
 class RMSNorm(nn.Module):
     """Scale each vector to unit root-mean-square, then by a learned weight (computed in fp32)."""
 
@@ -84,6 +85,7 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+# --8<-- [end:rmsnorm]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -106,6 +108,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+# --8<-- [start:rope]
 class RotaryEmbedding(nn.Module):
     """Rotate query and key pairs by an angle proportional to the token's position."""
 
@@ -126,6 +129,7 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, head_dim], shared by all heads
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+# --8<-- [end:rope]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+# --8<-- [start:self_attention]
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -156,6 +161,7 @@ class SelfAttention(nn.Module):
         q, k = rope(positions, q, k)
         out = attention(q, k, v, self.layer_index, ctx)  # [n, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+# --8<-- [end:self_attention]
 
 
 class MLP(nn.Module):
@@ -169,6 +175,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# --8<-- [start:decoder_layer]
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
@@ -180,6 +187,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+# --8<-- [end:decoder_layer]
 
 
 class Backbone(nn.Module):
@@ -218,13 +226,16 @@ class CausalLM(nn.Module):
         model.rope.build_tables(device)  # to_empty left the tables uninitialised
         return model.eval()
 
+    # --8<-- [start:forward]
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Hidden states of every token in the flat batch: [num_tokens, hidden_size]."""
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.rope, ctx)
         return self.model.norm(x)
+    # --8<-- [end:forward]
 
+    # --8<-- [start:compute_logits]
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the rows we sample from (only each request's last token), in fp32.
 
@@ -235,6 +246,7 @@ class CausalLM(nn.Module):
         if self.lm_head_t is None:
             self.lm_head_t = self.lm_head.weight.t().contiguous()
         return (hidden @ self.lm_head_t).float()
+    # --8<-- [end:compute_logits]
 
     def load_weights(self, folder: Path) -> None:
         """Copy every ``*.safetensors`` tensor in ``folder`` into the module of the same name."""

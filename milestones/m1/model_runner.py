@@ -30,8 +30,16 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
+        """Bytes reserved for keys and values, whether filled or not."""
         return 2 * self.k_cache.numel() * self.k_cache.element_size()
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token across all layers."""
+        num_layers, _, num_kv_heads, head_dim = self.k_cache.shape
+        return 2 * num_layers * num_kv_heads * head_dim * self.k_cache.element_size()
+
+    # --8<-- [start:execute]
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute the batch's new tokens and sample one token per sequence."""
@@ -43,3 +51,4 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, ctx)
         logits = self.model.compute_logits(hidden[-1:])  # only the last position predicts a new token
         return self.sampler(logits, [seq])
+    # --8<-- [end:execute]

@@ -18,6 +18,7 @@ class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    # --8<-- [start:sample]
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """logits: [len(seqs), vocab] in fp32, one row per sequence."""
         tokens = logits.argmax(dim=-1)
@@ -30,7 +31,9 @@ class Sampler:
             noise = torch.stack([self.exponential_noise(s, probs.shape[-1]) for s in sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
         return tokens.tolist()
+    # --8<-- [end:sample]
 
+    # --8<-- [start:filtered_probs]
     def filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
@@ -48,6 +51,7 @@ class Sampler:
         sorted_logits.masked_fill_(mass_before > p[:, None], float("-inf"))
         filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return filtered.softmax(dim=-1)
+    # --8<-- [end:filtered_probs]
 
     def exponential_noise(self, seq: Sequence, vocab: int) -> torch.Tensor:
         if seq.generator is None:

@@ -34,6 +34,7 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return self.running is not None or bool(self.waiting)
 
+    # --8<-- [start:schedule]
     def schedule(self) -> ScheduledBatch | None:
         if self.running is None:
             if not self.waiting:
@@ -43,6 +44,7 @@ class Scheduler:
         seq = self.running
         # Prefill computes the whole prompt; afterwards only the last sampled token is new.
         return ScheduledBatch([seq], [seq.num_tokens - seq.num_computed_tokens])
+    # --8<-- [end:schedule]
 
     def finish(self, seq: Sequence) -> None:
         """Forget a sequence that has finished (or been aborted) so its cache can be reused."""
@@ -50,6 +52,9 @@ class Scheduler:
             self.running = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def running_seqs(self) -> list[Sequence]:
+        return [self.running] if self.running else []
 
     def find(self, request_id: str) -> Sequence | None:
         candidates = ([self.running] if self.running else []) + list(self.waiting)

@@ -111,3 +111,16 @@ def test_nonsense_sampling_values_name_the_field(mod, kwargs, field):
 def test_wrong_number_of_sampling_params(mod, tiny_llm):
     with pytest.raises(ValueError, match="one per prompt"):
         tiny_llm.generate(["a", "b"], [mod.SamplingParams()], use_tqdm=False)
+
+
+def test_kv_usage_reports_reserved_and_used_memory(mod, tiny_llm):
+    engine = tiny_llm.engine
+    idle = engine.kv_usage()
+    assert idle["used_bytes"] == 0 and idle["reserved_bytes"] > 0
+    engine.add_request(list(range(100, 120)), mod.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id="kv")
+    engine.step()  # the prompt's 20 tokens are now in the cache
+    busy = engine.kv_usage()
+    assert 0 < busy["used_bytes"] <= busy["reserved_bytes"]
+    assert busy["used_bytes"] % 20 == 0
+    run_to_completion(engine)
+    assert engine.kv_usage()["used_bytes"] == 0
