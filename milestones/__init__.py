@@ -6,8 +6,10 @@ byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
 checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
 """
 
-MILESTONES = ["m1"]
+MILESTONES = ["m1", "m2"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
+    # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
+    "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py"},
 }

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
+    from .config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -23,7 +26,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: "EngineConfig") -> None:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: Sequence | None = None

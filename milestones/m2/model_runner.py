@@ -1,0 +1,83 @@
+"""Own the model and its KV cache; turn a scheduled batch into tensors, run it, sample.
+
+m2 packs every scheduled token of every request into one flat batch: the linear
+layers run once over all of them, attention keeps each request to its own KV slot,
+and only each request's last position goes through the LM head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionContext
+from .config import EngineConfig
+from .model import CausalLM, ModelConfig
+from .sampler import Sampler
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
+        self.config = config
+        self.device = config.device
+        self.model = CausalLM.from_pretrained(model_path, model_config, config.max_model_len, config.device, config.dtype)
+        # One contiguous slot of max_model_len positions per running request, allocated up front:
+        # simple, and wasteful on purpose (m3 fixes it).
+        shape = (model_config.num_layers, config.max_num_seqs, model_config.num_kv_heads, config.max_model_len, model_config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.sampler = Sampler(config.device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes reserved for keys and values, whether filled or not."""
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token across all layers."""
+        num_layers, _, num_kv_heads, _, head_dim = self.k_cache.shape
+        return 2 * num_layers * num_kv_heads * head_dim * self.k_cache.element_size()
+
+    # --8<-- [start:execute]
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+        """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
+        input_ids, positions, token_slots, prefills = [], [], [], []
+        decode_rows, decode_slots, decode_lens = [], [], []
+        last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
+        for seq, num_new, slot in zip(batch.seqs, batch.num_new_tokens, batch.kv_slots):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            row = len(input_ids)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            token_slots += [slot] * num_new
+            if num_new == 1:
+                decode_rows.append(row), decode_slots.append(slot), decode_lens.append(end)
+            else:
+                prefills.append((row, row + num_new, slot, end))
+            if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
+                last_rows.append(row + num_new - 1)
+                sampled.append(seq)
+        ctx = AttentionContext(
+            self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), prefills,
+            self._tensor(decode_rows), self._tensor(decode_slots), self._decode_mask(decode_slots, decode_lens),
+        )
+        hidden = self.model(self._tensor(input_ids), ctx.positions, ctx)
+        tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
+        return [next(tokens) if seq in sampled else None for seq in batch.seqs]
+    # --8<-- [end:execute]
+
+    def _decode_mask(self, slots: list[int], lengths: list[int]) -> torch.Tensor | None:
+        """[num_slots, longest]: True where a decoding slot has no token (and everywhere in the others)."""
+        if not slots:
+            return None
+        slot_len = torch.zeros(self.config.max_num_seqs, dtype=torch.long)
+        slot_len[slots] = torch.tensor(lengths)
+        mask = torch.arange(max(lengths)) >= slot_len[:, None]
+        return mask.to(self.device)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,89 @@
+"""Decide what runs in the next step. m2: continuous batching with a token budget.
+
+Plain Python (no torch). Every step is planned from scratch (iteration-level
+scheduling, as in vLLM V1):
+
+1. every running request that is decoding gets its one next token;
+2. running requests still prefilling get the next chunk of their prompt;
+3. waiting requests are admitted in arrival order while a KV slot is free.
+
+All of it under ``max_num_seqs`` running requests and ``max_num_batched_tokens``
+tokens per step. A prompt longer than what is left of the budget is prefilled in
+chunks over several steps, so one long prompt never stalls the others' decodes.
+Each running request owns one contiguous KV slot, sized for ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
+    from .config import EngineConfig
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The work of one step: these sequences, each with this many new tokens, in these KV slots."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    kv_slots: list[int]
+
+
+class Scheduler:
+    def __init__(self, config: "EngineConfig") -> None:
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
+        self.kv_slot: dict[str, int] = {}  # request id -> its KV slot
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --8<-- [start:schedule]
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [])
+        # Decodes (one token left to compute) first, then unfinished prefills; arrival order within each.
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            budget -= self._take(batch, seq, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.kv_slot[seq.request_id] = self.free_slots.pop()
+            self.running.append(seq)
+            budget -= self._take(batch, seq, budget)
+        return batch if batch.seqs else None
+
+    def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Schedule as many of the sequence's uncomputed tokens as the budget allows."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        batch.kv_slots.append(self.kv_slot[seq.request_id])
+        return num_new
+    # --8<-- [end:schedule]
+
+    def finish(self, seq: Sequence) -> None:
+        """Forget a finished (or aborted) sequence and free its KV slot at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.free_slots.append(self.kv_slot.pop(seq.request_id))
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def running_seqs(self) -> list[Sequence]:
+        return list(self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)

@@ -1,0 +1,43 @@
+"""The diff is the lesson: a milestone changes only the files it declares, the rest are byte-identical copies."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import pytest
+
+import milestones
+from milestones import CHANGED_FILES, MILESTONES
+
+ROOT = Path(milestones.__file__).parent
+
+
+def python_files(milestone: str) -> set[str]:
+    return {p.name for p in (ROOT / milestone).glob("*.py")}
+
+
+@pytest.mark.parametrize("previous, current", list(zip(MILESTONES, MILESTONES[1:])))
+def test_undeclared_files_are_identical_to_the_previous_milestone(previous, current):
+    declared = CHANGED_FILES[current]
+    changed = {name for name in python_files(current) if name not in python_files(previous)}
+    changed |= {
+        name for name in python_files(current) & python_files(previous)
+        if not filecmp.cmp(ROOT / previous / name, ROOT / current / name, shallow=False)
+    }
+    assert changed <= declared, f"{current} changes {sorted(changed - declared)} without declaring it in milestones.CHANGED_FILES"
+    assert declared <= changed, f"{current} declares {sorted(declared - changed)} as changed, but they are identical: drop them"
+    assert python_files(previous) <= python_files(current), f"{current} lost files of {previous}"
+
+
+def test_every_milestone_is_declared():
+    assert set(CHANGED_FILES) == set(MILESTONES)
+    assert all((ROOT / m / "__init__.py").is_file() for m in MILESTONES)
+
+
+def test_milestones_never_import_each_other():
+    for milestone in MILESTONES:
+        for path in (ROOT / milestone).glob("*.py"):
+            text = path.read_text()
+            others = [m for m in MILESTONES if m != milestone and f"milestones.{m}" in text]
+            assert not others, f"{path} imports {others}: each milestone must stand alone"
