@@ -6,10 +6,12 @@ byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
 checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
 """
 
-MILESTONES = ["m1", "m2"]
+MILESTONES = ["m1", "m2", "m3"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
     # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
     "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py"},
+    # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
+    "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py", "engine.py"},
 }

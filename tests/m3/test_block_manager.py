@@ -1,0 +1,64 @@
+"""The block manager alone (no torch): allocation, growth, release, and a property-based test."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from milestones.m3.block_manager import BlockManager
+
+
+def test_tables_grow_block_by_block():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    assert manager.grow("a", 1) == [0]
+    assert manager.grow("a", 4) == [0]  # still fits in the first block
+    assert manager.grow("a", 5) == [0, 1]
+    assert manager.grow("b", 9) == [2, 3, 4]
+    assert manager.num_free_blocks == 3
+    assert manager.num_new_blocks("a", 13) == 2 and manager.can_grow("a", 13) and not manager.can_grow("a", 21)
+    manager.free("a")
+    assert manager.num_free_blocks == 5 and "a" not in manager.block_tables
+    manager.check_integrity()
+
+
+def test_growing_past_the_pool_raises_without_side_effects():
+    manager = BlockManager(num_blocks=2, block_size=2)
+    manager.grow("a", 3)
+    with pytest.raises(RuntimeError, match="needs 1 blocks"):
+        manager.grow("b", 1)
+    assert manager.block_tables == {"a": [0, 1]}
+    manager.check_integrity()
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["grow", "free", "preempt"]), st.integers(0, 5), st.integers(1, 40)),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_blocks=st.integers(1, 24), block_size=st.integers(1, 8), ops=operations)
+def test_random_sequences_never_share_or_lose_a_block(num_blocks, block_size, ops):
+    manager = BlockManager(num_blocks, block_size)
+    sizes: dict[str, int] = {}
+    for op, owner, amount in ops:
+        request = f"r{owner}"
+        if op == "grow":
+            target = sizes.get(request, 0) + amount
+            if manager.can_grow(request, target):
+                table = manager.grow(request, target)
+                sizes[request] = target
+                assert len(table) == manager.blocks_needed(target)
+            else:
+                with pytest.raises(RuntimeError):
+                    manager.grow(request, target)
+        else:  # finishing and preempting both hand every block back
+            manager.free(request)
+            sizes.pop(request, None)
+        manager.check_integrity()
+        owned = [b for table in manager.block_tables.values() for b in table]
+        assert len(owned) + manager.num_free_blocks == num_blocks
+    for request in list(sizes):
+        manager.free(request)
+    assert manager.num_free_blocks == num_blocks and not manager.block_tables

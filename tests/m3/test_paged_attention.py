@@ -1,0 +1,66 @@
+"""Attention through block tables equals plain contiguous attention, on random data and ragged batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from milestones.m3.attention import AttentionContext, attention
+
+HEADS, KV_HEADS, DIM, LAYERS = 6, 2, 16, 2
+
+
+def reference(q_new, keys, values):
+    """Contiguous attention for one request: its new queries sit at the end of its keys."""
+    n, total = q_new.shape[0], keys.shape[0]
+    visible = torch.arange(total) <= torch.arange(total - n, total)[:, None]
+    out = F.scaled_dot_product_attention(q_new.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_blocks = 7 * 80 // block_size + 20  # room for 7 requests of up to 80 tokens
+    k_cache = torch.zeros(LAYERS, num_blocks, KV_HEADS, block_size, DIM)
+    v_cache = torch.zeros_like(k_cache)
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered, out-of-order blocks, as after many allocations and frees
+    # Each request: (tokens already cached, new tokens this step); 1 new token = a decode.
+    requests = [(rng.randint(0, 60), rng.choice([1, 1, rng.randint(2, 20)])) for _ in range(7)]
+    history = {i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)}
+    tables, slot_mapping, new_k, new_v, q_rows, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], [], [], [], [], []
+    q = torch.randn(sum(n for _, n in requests), HEADS, DIM)
+    row = 0
+    for i, (cached, n) in enumerate(requests):
+        total = cached + n
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(table)
+        keys, values = history[i]
+        for p in range(cached):  # the cached part is already in the pool
+            k_cache[0, table[p // block_size], :, p % block_size] = keys[p]
+            v_cache[0, table[p // block_size], :, p % block_size] = values[p]
+        slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
+        new_k.append(keys[cached:]), new_v.append(values[cached:])
+        if n == 1:
+            decode_rows.append(row), decode_tables.append(table), decode_lens.append(total)
+        else:
+            prefills.append((row, row + n, torch.tensor(table), total))
+        row += n
+    width = max((len(t) for t in decode_tables), default=0)
+    ctx = AttentionContext(
+        k_cache, v_cache, torch.tensor(slot_mapping), prefills, torch.tensor(decode_rows, dtype=torch.long),
+        torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long),
+        (torch.arange(width * block_size) >= torch.tensor(decode_lens)[:, None]) if decode_rows else None,
+    )
+    out = attention(q, torch.cat(new_k), torch.cat(new_v), 0, ctx)
+    row = 0
+    for i, (cached, n) in enumerate(requests):
+        keys, values = history[i]
+        torch.testing.assert_close(out[row : row + n], reference(q[row : row + n], keys, values), atol=1e-5, rtol=1e-5)
+        row += n

@@ -1,0 +1,79 @@
+"""m3 against m2 token for token: block sizes 1 and 16, and a pool so small that preemption happens often."""
+
+from __future__ import annotations
+
+import pytest
+
+from milestones import m2, m3
+from tests.m2.test_vs_m1 import mixed_workload, run
+
+LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    # Prompt lengths from 1 to 120: most are not multiples of any block size.
+    return mixed_workload(20, seed=3, max_prompt=120, max_output=48)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path, workload):
+    return run(m2, m2.LLM(tiny_model_path, **LIMITS), *workload)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_m3_matches_m2(tiny_model_path, workload, reference, block_size):
+    llm = m3.LLM(tiny_model_path, block_size=block_size, **LIMITS)
+    assert run(m3, llm, *workload) == reference
+    assert llm.engine.kv_usage()["blocks_in_use"] == 0
+    llm.engine.scheduler.blocks.check_integrity()
+
+
+@pytest.mark.parametrize("block_size, num_blocks", [(16, 12), (1, 170), (7, 25)])
+def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, reference, block_size, num_blocks):
+    llm = m3.LLM(tiny_model_path, block_size=block_size, num_kv_blocks=num_blocks, **LIMITS)
+    assert run(m3, llm, *workload) == reference
+    usage = llm.engine.kv_usage()
+    assert usage["num_preemptions"] >= 10, usage
+    assert usage["blocks_free"] == num_blocks
+    llm.engine.scheduler.blocks.check_integrity()
+
+
+def test_request_that_can_never_fit_is_refused_and_others_still_run(tiny_model_path):
+    llm = m3.LLM(tiny_model_path, block_size=4, num_kv_blocks=10, **LIMITS)
+    params = m3.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        llm.generate(list(range(100, 140)), params, use_tqdm=False)  # 50 tokens > 40 slots in the pool
+    with pytest.raises(ValueError, match="lower max_tokens"):
+        llm.generate([5, 6, 7], m3.SamplingParams(max_tokens=None), use_tqdm=False)  # could grow to 256 tokens
+    out = llm.generate(list(range(100, 120)), params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 10
+
+
+def test_pool_is_sized_from_the_memory_budget(tiny_model_path):
+    default = m3.LLM(tiny_model_path, **LIMITS).engine
+    per_token = default.runner.kv_bytes_per_token
+    assert default.config.num_kv_blocks == 5 * 256 // 16  # what m2 reserves: max_num_seqs * max_model_len
+    assert default.runner.kv_cache_bytes == default.config.num_kv_blocks * 16 * per_token
+    budget = m3.LLM(tiny_model_path, kv_cache_memory_bytes=64 * 16 * per_token, **LIMITS).engine
+    assert budget.config.num_kv_blocks == 64
+
+
+def test_kv_report_counts_blocks(tiny_model_path):
+    engine = m3.LLM(tiny_model_path, block_size=4, **LIMITS).engine
+    engine.add_request(list(range(100, 110)), m3.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()
+    usage = engine.kv_usage()
+    assert usage["blocks_in_use"] == 3 and usage["used_bytes"] == 10 * engine.runner.kv_bytes_per_token
+    assert usage["blocks_in_use"] + usage["blocks_free"] == engine.config.num_kv_blocks
+
+
+@pytest.mark.real_model
+def test_m3_matches_m2_on_the_bundled_model():
+    prompts, settings = mixed_workload(12, seed=11, max_prompt=90, max_output=32)
+    prompts[:3] = ["Tell me about the ocean.", "What is 12 times 7?", "Write a limerick about a cat."]
+    limits = dict(device="cpu", max_model_len=192, max_num_seqs=6, max_num_batched_tokens=48)
+    reference = run(m2, m2.LLM(**limits), prompts, settings)
+    llm = m3.LLM(block_size=16, num_kv_blocks=24, **limits)
+    assert run(m3, llm, prompts, settings) == reference
+    assert llm.engine.kv_usage()["num_preemptions"] > 0
