@@ -6,7 +6,7 @@ byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
 checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
 """
 
-MILESTONES = ["m1", "m2", "m3"]
+MILESTONES = ["m1", "m2", "m3", "m4"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
@@ -14,4 +14,6 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py"},
     # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py", "engine.py"},
+    # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting
+    "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py", "outputs.py"},
 }

@@ -1,0 +1,59 @@
+"""Engine options (vLLM's names), checked and resolved once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    device: str | torch.device | None = None  # None: CUDA if present, else CPU
+    dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
+    seed: int = 0  # seeds the requests that bring no seed of their own
+    max_num_seqs: int = 16  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
+
+    def resolve(self, model_max_len: int) -> "EngineConfig":
+        """Fill in the defaults that depend on the machine and the model; reject nonsense."""
+        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+        dtype = self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"dtype {dtype!r} is not a torch dtype; use 'float32', 'bfloat16' or 'float16'")
+            dtype = getattr(torch, dtype)
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
+        if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
+            raise ValueError(f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
+                f"request can decode each step, got {self.max_num_batched_tokens!r}"
+            )
+        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+        return EngineConfig(
+            self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens,
+            self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes, bool(self.enable_prefix_caching),
+            self.scheduling_policy,
+        )

@@ -1,0 +1,129 @@
+"""The radix tree alone (no torch): match, insert, split, locks, LRU eviction, and a property-based test."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from milestones.m4.radix_tree import RadixTree
+
+BS = 2
+
+
+def test_match_insert_and_split_at_block_boundaries():
+    tree = RadixTree(BS)
+    node, adopted = tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    assert adopted == [10, 11, 12]
+    assert tree.match_prefix([1, 2, 3, 4, 9, 9]) == ([10, 11], tree.match_prefix([1, 2, 3, 4])[1])
+    assert tree.match_prefix([1, 2, 3])[0] == [10]  # whole blocks only
+    assert tree.match_prefix([7, 8])[0] == []
+    # A second prompt that shares two blocks then diverges: the edge is split, only the new block is adopted.
+    _, adopted = tree.insert([1, 2, 3, 4, 7, 7], [20, 21, 22])
+    assert adopted == [22]
+    assert tree.match_prefix([1, 2, 3, 4, 7, 7, 0])[0] == [10, 11, 22]
+    assert sorted(tree.cached_blocks()) == [10, 11, 12, 22]
+    tree.check_integrity()
+
+
+def test_duplicate_insert_keeps_the_first_blocks():
+    tree = RadixTree(BS)
+    tree.insert([1, 2, 3, 4], [10, 11])
+    node, adopted = tree.insert([1, 2, 3, 4], [30, 31])  # computed again by a request running alongside
+    assert adopted == [] and node.blocks == [10, 11]
+    assert tree.match_prefix([1, 2, 3, 4, 5])[0] == [10, 11]
+    tree.check_integrity()
+
+
+def test_locked_paths_are_never_evicted_and_eviction_is_lru():
+    tree = RadixTree(BS)
+    a, _ = tree.insert([1, 1, 2, 2], [1, 2])
+    b, _ = tree.insert([3, 3], [3])
+    c, _ = tree.insert([4, 4], [4])
+    tree.match_prefix([3, 3])  # touch b: now c is the least recently used
+    tree.lock(a)
+    assert tree.evict(1) == [4]
+    assert tree.evict(10) == [3]  # a's path is locked: nothing else can go
+    tree.unlock(a)
+    assert sorted(tree.evict(10)) == [1, 2]  # leaf first, then its parent once it is a leaf
+    assert tree.cached_blocks() == []
+    tree.check_integrity()
+
+
+def test_split_keeps_lock_counts():
+    tree = RadixTree(BS)
+    node, _ = tree.insert([1, 2, 3, 4, 5, 6], [1, 2, 3])
+    tree.lock(node)
+    _, upper = tree.match_prefix([1, 2, 3, 4, 0, 0])  # splits the locked edge
+    assert upper.lock_ref == 1 and upper.children
+    tree.check_integrity()
+    tree.unlock(node)
+    assert tree.root.lock_ref == 1
+    tree.check_integrity()
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "match", "lock", "unlock", "evict"]),
+        st.lists(st.integers(0, 2), min_size=0, max_size=12),  # a small alphabet, so prefixes are shared often
+        st.integers(0, 6),
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops)
+def test_random_operations_agree_with_a_simple_model(ops):
+    tree = RadixTree(BS)
+    new_block = itertools.count()
+    oracle: dict[tuple[int, ...], int] = {}  # every cached block-aligned prefix -> the block holding its last block
+    locks = []
+    for op, tokens, n in ops:
+        whole = tokens[: len(tokens) // BS * BS]
+        if op == "insert":
+            blocks = [next(new_block) for _ in range(len(whole) // BS)]
+            _, adopted = tree.insert(whole, blocks)
+            for i, block in enumerate(blocks):
+                key = tuple(whole[: (i + 1) * BS])
+                if key not in oracle:
+                    oracle[key] = block
+                    assert block in adopted
+        elif op in ("match", "lock"):
+            blocks, node = tree.match_prefix(tokens)
+            expected = []
+            for i in range(len(tokens) // BS):
+                key = tuple(tokens[: (i + 1) * BS])
+                if key not in oracle:
+                    break
+                expected.append(oracle[key])
+            assert blocks == expected
+            if op == "lock":
+                tree.lock(node)
+                locks.append(node)
+        elif op == "unlock" and locks:
+            tree.unlock(locks.pop(n % len(locks)))
+        elif op == "evict":
+            protected = {b for node in locks for b in _path_blocks(node)}
+            released = tree.evict(n)
+            assert not set(released) & protected, "evicted a locked block"
+            assert len(released) >= min(n, 1) or not _evictable(tree), "eviction stopped early"
+            for key in [k for k, b in oracle.items() if b in released]:
+                del oracle[key]
+        tree.check_integrity()
+        assert sorted(tree.cached_blocks()) == sorted(oracle.values())
+    for node in locks:
+        tree.unlock(node)
+    tree.evict(10**6)
+    assert tree.cached_blocks() == [] and tree.root.lock_ref == 1
+
+
+def _path_blocks(node):
+    while node.parent is not None:
+        yield from node.blocks
+        node = node.parent
+
+
+def _evictable(tree):
+    return any(not n.children and n.lock_ref == 0 for n in tree._nodes())
