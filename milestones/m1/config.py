@@ -15,7 +15,7 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None: the model's own limit
     seed: int = 0  # seeds the requests that bring no seed of their own
 
-    def resolve(self, model_max_len: int) -> "EngineConfig":
+    def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():

@@ -43,7 +43,7 @@ class ModelConfig:
     rope_scaling: dict | None
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
+    def from_hf(cls, hf) -> ModelConfig:
         if hf.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {hf.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
         if getattr(hf, "hidden_act", "silu") != "silu":
@@ -215,7 +215,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_pretrained(cls, folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> "CausalLM":
+    def from_pretrained(cls, folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
         """Build the model without random initialisation (on the meta device), then load the weights."""
         with torch.device("meta"):
             model = cls(cfg, max_positions)

@@ -25,7 +25,7 @@ class RequestOutput:
     metrics: RequestMetrics
 
     @classmethod
-    def from_sequence(cls, seq: Sequence) -> "RequestOutput":
+    def from_sequence(cls, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=seq.detokenizer.visible_text(seq.is_finished),

@@ -52,6 +52,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
 # --8<-- [end:attention]
 
 
+# --8<-- [start:prefill_attention]
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A chunk of n tokens at the end of a context of L tokens: query i sees keys 0..L-n+i."""
     n, context_len = q.shape[0], keys.shape[1]
@@ -61,6 +62,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
         visible = torch.arange(context_len, device=q.device) <= torch.arange(context_len - n, context_len, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, enable_gqa=True)
     return out.transpose(0, 1)
+# --8<-- [end:prefill_attention]
 
 
 # --8<-- [start:decode_attention]

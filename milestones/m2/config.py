@@ -19,7 +19,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests running at once (each owns a KV slot of max_model_len)
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
 
-    def resolve(self, model_max_len: int) -> "EngineConfig":
+    def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():

@@ -35,7 +35,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

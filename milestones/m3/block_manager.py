@@ -34,6 +34,7 @@ class BlockManager:
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self.num_new_blocks(request_id, num_tokens) <= self.num_free_blocks
 
+    # --8<-- [start:grow]
     def grow(self, request_id: str, num_tokens: int) -> list[int]:
         """Extend the request's block table to hold ``num_tokens`` tokens; return its table."""
         needed = self.num_new_blocks(request_id, num_tokens)
@@ -42,10 +43,13 @@ class BlockManager:
         table = self.block_tables.setdefault(request_id, [])
         table.extend(self.free_blocks.popleft() for _ in range(needed))
         return table
+    # --8<-- [end:grow]
 
+    # --8<-- [start:free]
     def free(self, request_id: str) -> None:
         """Return every block of the request to the pool."""
         self.free_blocks.extend(self.block_tables.pop(request_id, ()))
+    # --8<-- [end:free]
 
     def check_integrity(self) -> None:
         """Every block is either free or owned by exactly one request."""

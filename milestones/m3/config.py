@@ -22,7 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
 
-    def resolve(self, model_max_len: int) -> "EngineConfig":
+    def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():

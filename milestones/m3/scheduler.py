@@ -39,7 +39,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()

@@ -52,13 +52,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
 # --8<-- [end:attention]
 
 
+# --8<-- [start:gather]
 def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Read blocks through block tables: [kv_heads, num_tables, blocks * block_size, dim], one copy."""
     num_blocks_each = tables.shape[1]
     picked = cache.transpose(0, 1)[:, tables]  # [kv_heads, num_tables, blocks, block_size, dim]
     return picked.view(cache.shape[1], tables.shape[0], num_blocks_each * cache.shape[2], cache.shape[3])
+# --8<-- [end:gather]
 
 
+# --8<-- [start:prefill_attention]
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """A chunk of n tokens at the end of a context of L tokens: query i sees keys 0..L-n+i."""
     n, context_len = q.shape[0], keys.shape[1]
@@ -68,6 +71,7 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
         visible = torch.arange(context_len, device=q.device) <= torch.arange(context_len - n, context_len, device=q.device)[:, None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible, enable_gqa=True)
     return out.transpose(0, 1)
+# --8<-- [end:prefill_attention]
 
 
 # --8<-- [start:decode_attention]

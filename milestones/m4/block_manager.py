@@ -35,6 +35,7 @@ class BlockManager:
     def can_grow(self, request_id: str, num_tokens: int) -> bool:
         return self.num_new_blocks(request_id, num_tokens) <= self.num_free_blocks
 
+    # --8<-- [start:grow]
     def grow(self, request_id: str, num_tokens: int) -> list[int]:
         """Extend the request's block table with fresh blocks to hold ``num_tokens`` tokens; return its table."""
         needed = self.num_new_blocks(request_id, num_tokens)
@@ -46,29 +47,39 @@ class BlockManager:
             self.ref_count[block] = 1
             table.append(block)
         return table
+    # --8<-- [end:grow]
 
+    # --8<-- [start:ref_counts]
     def share(self, request_id: str, blocks: list[int]) -> None:
         """Start a request's table with blocks that already hold its prefix (a cache hit)."""
         assert not self.block_tables.get(request_id), "a shared prefix must come first in the table"
         self.block_tables[request_id] = list(blocks)
         for block in blocks:
             self.hold(block)
+    # --8<-- [end:ref_counts]
 
+    # --8<-- [start:hold_release]
     def hold(self, block: int) -> None:
         assert self.ref_count[block] > 0, "only a block in use can gain a holder"
         self.ref_count[block] += 1
+    # --8<-- [end:hold_release]
 
+    # --8<-- [start:release]
     def release(self, block: int) -> None:
         self.ref_count[block] -= 1
         assert self.ref_count[block] >= 0, "a block was released more often than held"
         if self.ref_count[block] == 0:
             self.free_blocks.append(block)
+    # --8<-- [end:release]
 
+    # --8<-- [start:free]
     def free(self, request_id: str) -> None:
         """The request lets go of all its blocks; those the tree still holds stay cached."""
         for block in self.block_tables.pop(request_id, ()):
             self.release(block)
+    # --8<-- [end:free]
 
+    # --8<-- [start:check_integrity]
     def check_integrity(self, cached: list[int]) -> None:
         """free + cached + in use = all blocks, with every holder counted exactly once."""
         holders = Counter(b for table in self.block_tables.values() for b in table) + Counter(cached)
@@ -78,3 +89,4 @@ class BlockManager:
         in_use = {b for table in self.block_tables.values() for b in table}
         cached_only = set(cached) - in_use
         assert len(free) + len(cached_only) + len(in_use) == self.num_blocks, "a block is lost"
+    # --8<-- [end:check_integrity]

@@ -24,7 +24,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
 
-    def resolve(self, model_max_len: int) -> "EngineConfig":
+    def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
         device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():

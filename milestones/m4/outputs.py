@@ -26,7 +26,7 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
     @classmethod
-    def from_sequence(cls, seq: Sequence) -> "RequestOutput":
+    def from_sequence(cls, seq: Sequence) -> RequestOutput:
         completion = CompletionOutput(
             index=0,
             text=seq.detokenizer.visible_text(seq.is_finished),

@@ -21,6 +21,7 @@ import itertools
 from dataclasses import dataclass, field
 
 
+# --8<-- [start:node]
 @dataclass(eq=False)
 class Node:
     tokens: tuple[int, ...]
@@ -29,6 +30,7 @@ class Node:
     children: dict[tuple[int, ...], Node] = field(default_factory=dict)  # keyed by their first block's tokens
     lock_ref: int = 0  # running requests whose path goes through this node
     last_access: int = 0
+# --8<-- [end:node]
 
 
 class RadixTree:
@@ -38,6 +40,7 @@ class RadixTree:
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = itertools.count(1)
 
+    # --8<-- [start:match_prefix]
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
         """The blocks of the longest cached prefix of ``tokens`` (whole blocks only), and its last node."""
         node, blocks, i = self.root, [], 0
@@ -52,7 +55,9 @@ class RadixTree:
             node.last_access = next(self._clock)
             blocks += node.blocks
         return blocks, node
+    # --8<-- [end:match_prefix]
 
+    # --8<-- [start:insert]
     def insert(self, tokens: list[int], blocks: list[int]) -> tuple[Node, list[int]]:
         """Add a computed prefix. Returns its last node and the blocks the tree newly took over.
 
@@ -74,18 +79,24 @@ class RadixTree:
             node, i = child, i + len(child.tokens)
             node.last_access = next(self._clock)
         return node, list(adopted)
+    # --8<-- [end:insert]
 
+    # --8<-- [start:lock]
     def lock(self, node: Node) -> None:
         while node is not None:
             node.lock_ref += 1
             node = node.parent
+    # --8<-- [end:lock]
 
+    # --8<-- [start:unlock]
     def unlock(self, node: Node) -> None:
         while node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlocked more often than locked"
             node = node.parent
+    # --8<-- [end:unlock]
 
+    # --8<-- [start:evict]
     def evict(self, num_blocks: int) -> list[int]:
         """Drop least-recently-used unlocked leaves until ``num_blocks`` blocks are released (or none is left)."""
         leaves = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
@@ -99,6 +110,7 @@ class RadixTree:
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return released
+    # --8<-- [end:evict]
 
     def cached_blocks(self) -> list[int]:
         return [b for node in self._nodes() for b in node.blocks]
@@ -122,6 +134,7 @@ class RadixTree:
             same += 1
         return same
 
+    # --8<-- [start:split]
     def _split(self, child: Node, num_blocks: int) -> Node:
         """Cut an edge after ``num_blocks`` blocks; the new upper node carries the same locks."""
         cut = num_blocks * self.block_size
@@ -130,6 +143,7 @@ class RadixTree:
         child.tokens, child.blocks, child.parent = child.tokens[cut:], child.blocks[num_blocks:], upper
         upper.children[child.tokens[: self.block_size]] = child
         return upper
+    # --8<-- [end:split]
 
     def _nodes(self):
         stack = list(self.root.children.values())

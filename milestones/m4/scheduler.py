@@ -40,7 +40,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: "EngineConfig") -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None

@@ -34,7 +34,7 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
     # Each request: (tokens already cached, new tokens this step); 1 new token = a decode.
     requests = [(rng.randint(0, 60), rng.choice([1, 1, rng.randint(2, 20)])) for _ in range(7)]
     history = {i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)}
-    tables, slot_mapping, new_k, new_v, q_rows, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], [], [], [], [], []
+    tables, slot_mapping, new_k, new_v, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], [], [], [], [], []
     q = torch.randn(sum(n for _, n in requests), HEADS, DIM)
     row = 0
     for i, (cached, n) in enumerate(requests):
@@ -60,7 +60,7 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
     )
     out = attention(q, torch.cat(new_k), torch.cat(new_v), 0, ctx)
     row = 0
-    for i, (cached, n) in enumerate(requests):
+    for i, (_, n) in enumerate(requests):
         keys, values = history[i]
         torch.testing.assert_close(out[row : row + n], reference(q[row : row + n], keys, values), atol=1e-5, rtol=1e-5)
         row += n

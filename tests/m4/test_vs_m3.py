@@ -66,6 +66,7 @@ def test_multi_turn_chat_reuses_every_previous_turn(tiny_model_path):
     ref_llm, llm = m3.LLM(tiny_model_path, **LIMITS), m4.LLM(tiny_model_path, **LIMITS)
     params = dict(temperature=0, max_tokens=12, ignore_eos=True)
     conversation = [rng.randrange(3, 49152) for _ in range(30)]
+    previous_len = 0
     for turn in range(5):
         ref = ref_llm.generate(conversation, m3.SamplingParams(**params), use_tqdm=False)[0]
         out = llm.generate(conversation, m4.SamplingParams(**params), use_tqdm=False)[0]
@@ -124,7 +125,7 @@ def test_trap_eviction_never_touches_locked_paths(tiny_model_path):
     for _ in range(3):
         engine.step()
     rng = random.Random(5)
-    for i in range(12):  # a stream of one-off prompts fills the cache and forces eviction
+    for _ in range(12):  # a stream of one-off prompts fills the cache and forces eviction
         engine.add_request([rng.randrange(3, 49152) for _ in range(12)], m4.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
