@@ -1,16 +1,13 @@
 """Attention for a packed batch of many requests, each with its own contiguous KV slot.
 
 The cache has one slot per running request, each long enough for
-``max_model_len`` tokens: ``k_cache[layer][slot, head, pos]``. Keeping each head's
-positions contiguous (head-major) lets one batched matrix multiply read every
-slot's keys straight from the cache, with no copies.
+``max_model_len`` tokens: ``k_cache[layer][slot, head, pos]``. The linear layers
+ran once over the whole flat batch; attention now goes request by request, each
+reading only its own slot, up to its own length: no padding, no copies.
 
-A step mixes two kinds of requests:
-
-* decodes (one new token each) are computed together: one batched product over
-  all slots, masked to each slot's length, keeping the rows of the decoding slots;
-* prefill chunks (several new tokens) are computed one request at a time, with a
-  causal mask that also lets the chunk see the part of the prompt cached before it.
+A request in the batch is either decoding (one new token, which sees its whole
+cache) or prefilling a chunk of its prompt (several new tokens, which see the
+part of the prompt cached before them and, causally, each other).
 """
 
 from __future__ import annotations
@@ -30,10 +27,7 @@ class AttentionContext:
     v_cache: torch.Tensor
     token_slots: torch.Tensor  # [num_tokens]: the KV slot of each new token's request
     positions: torch.Tensor  # [num_tokens]: where in its slot each new token goes
-    prefills: list[tuple[int, int, int, int]]  # (first token, end token, slot, context length) per chunk
-    decode_rows: torch.Tensor  # [num_decodes]: rows of the flat batch that are single-token requests
-    decode_slots: torch.Tensor  # [num_decodes]: their KV slots
-    decode_mask: torch.Tensor | None  # [num_slots, longest context]: True where a slot has no token
+    requests: list[tuple[int, int, int, int]]  # per request: (first row, end row, KV slot, context length)
 # --8<-- [end:context]
 
 
@@ -44,10 +38,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     k_cache[ctx.token_slots, :, ctx.positions] = k
     v_cache[ctx.token_slots, :, ctx.positions] = v
     out = torch.empty_like(q)
-    for start, end, slot, context_len in ctx.prefills:
-        out[start:end] = prefill_attention(q[start:end], k_cache[slot, :, :context_len], v_cache[slot, :, :context_len])
-    if ctx.decode_mask is not None:
-        out[ctx.decode_rows] = decode_attention(q, k_cache, v_cache, ctx)
+    for start, end, slot, context_len in ctx.requests:
+        keys, values = k_cache[slot, :, :context_len], v_cache[slot, :, :context_len]  # views, no copy
+        attend = decode_attention if end - start == 1 else prefill_attention
+        out[start:end] = attend(q[start:end], keys, values)
     return out
 # --8<-- [end:attention]
 
@@ -66,20 +60,16 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
 
 # --8<-- [start:decode_attention]
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-    """One batched product over *every* slot up to the longest context, then keep the decoding rows.
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One new token sees every cached row, so no mask is needed.
 
-    Slots that are idle or prefilling this step are computed and thrown away: cheaper
-    on a CPU than gathering the decoding slots' keys into a new tensor.
+    Grouped-query attention: query head h reads kv head ``h // group``, so the
+    query heads are viewed as [kv_heads, group] and each kv head is read once.
+    Written out by hand because it is ~3x faster on CPU than SDPA for one query.
     """
-    num_slots, num_kv_heads, _, dim = k_cache.shape
-    longest = ctx.decode_mask.shape[1]
-    queries = q.new_zeros(num_slots, q.shape[1], dim)
-    queries[ctx.decode_slots] = q[ctx.decode_rows]
-    queries = queries.view(num_slots, num_kv_heads, -1, dim)  # grouped-query: [slots, kv_heads, group, dim]
-    scores = torch.matmul(queries, k_cache[:, :, :longest].transpose(-1, -2)) * dim**-0.5
-    scores.masked_fill_(ctx.decode_mask[:, None, None, :], float("-inf"))
-    probs = scores.float().softmax(dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v_cache[:, :, :longest])  # [slots, kv_heads, group, dim]
-    return out[ctx.decode_slots].view(-1, q.shape[1], dim)
+    num_kv_heads, _, dim = keys.shape
+    q = q.view(num_kv_heads, -1, dim)  # [kv_heads, group, dim]
+    scores = torch.bmm(q, keys.transpose(1, 2)) * dim**-0.5  # [kv_heads, group, context_len]
+    out = torch.bmm(scores.float().softmax(dim=-1).to(values.dtype), values)
+    return out.view(1, -1, dim)
 # --8<-- [end:decode_attention]

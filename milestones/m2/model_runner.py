@@ -45,8 +45,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
-        input_ids, positions, token_slots, prefills = [], [], [], []
-        decode_rows, decode_slots, decode_lens = [], [], []
+        input_ids, positions, token_slots, requests = [], [], [], []
         last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
         for seq, num_new, slot in zip(batch.seqs, batch.num_new_tokens, batch.kv_slots):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -54,30 +53,15 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             token_slots += [slot] * num_new
-            if num_new == 1:
-                decode_rows.append(row), decode_slots.append(slot), decode_lens.append(end)
-            else:
-                prefills.append((row, row + num_new, slot, end))
+            requests.append((row, row + num_new, slot, end))
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 last_rows.append(row + num_new - 1)
                 sampled.append(seq)
-        ctx = AttentionContext(
-            self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), prefills,
-            self._tensor(decode_rows), self._tensor(decode_slots), self._decode_mask(decode_slots, decode_lens),
-        )
+        ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), requests)
         hidden = self.model(self._tensor(input_ids), ctx.positions, ctx)
         tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
         return [next(tokens) if seq in sampled else None for seq in batch.seqs]
     # --8<-- [end:execute]
-
-    def _decode_mask(self, slots: list[int], lengths: list[int]) -> torch.Tensor | None:
-        """[num_slots, longest]: True where a decoding slot has no token (and everywhere in the others)."""
-        if not slots:
-            return None
-        slot_len = torch.zeros(self.config.max_num_seqs, dtype=torch.long)
-        slot_len[slots] = torch.tensor(lengths)
-        mask = torch.arange(max(lengths)) >= slot_len[:, None]
-        return mask.to(self.device)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

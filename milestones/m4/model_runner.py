@@ -28,7 +28,7 @@ class ModelRunner:
         if config.num_kv_blocks is None:  # size the pool from the memory budget; the scheduler reads it back
             budget = config.kv_cache_memory_bytes or config.max_num_seqs * config.max_model_len * bytes_per_token
             config.num_kv_blocks = max(1, budget // (bytes_per_token * config.block_size))
-        shape = (model_config.num_layers, config.num_kv_blocks, model_config.num_kv_heads, config.block_size, model_config.head_dim)
+        shape = (model_config.num_layers, model_config.num_kv_heads, config.num_kv_blocks, config.block_size, model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
@@ -41,7 +41,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """Keys and values of one token across all layers."""
-        num_layers, _, num_kv_heads, _, head_dim = self.k_cache.shape
+        num_layers, num_kv_heads, _, _, head_dim = self.k_cache.shape
         return 2 * num_layers * num_kv_heads * head_dim * self.k_cache.element_size()
 
     # --8<-- [start:execute]
@@ -49,8 +49,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         block_size = self.config.block_size
-        input_ids, positions, slot_mapping, prefills = [], [], [], []
-        decode_rows, decode_tables, decode_lens = [], [], []
+        input_ids, positions, slot_mapping, block_tables, requests = [], [], [], [], []
         last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -58,31 +57,16 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            if num_new == 1:
-                decode_rows.append(row), decode_tables.append(table), decode_lens.append(end)
-            else:
-                prefills.append((row, row + num_new, self._tensor(table[: -(-end // block_size)]), end))
+            requests.append((row, row + num_new, len(block_tables) * block_size, end))
+            block_tables += table[: -(-end // block_size)]
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 last_rows.append(row + num_new - 1)
                 sampled.append(seq)
-        tables, mask = self._decode_tables(decode_tables, decode_lens)
-        ctx = AttentionContext(
-            self.k_cache, self.v_cache, self._tensor(slot_mapping), prefills, self._tensor(decode_rows), tables, mask
-        )
+        ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(slot_mapping), self._tensor(block_tables), requests)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
         tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
         return [next(tokens) if seq in sampled else None for seq in batch.seqs]
     # --8<-- [end:execute]
-
-    def _decode_tables(self, tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block tables padded to the longest (with block 0, masked out), and the mask past each length."""
-        if not tables:
-            return self._tensor([]), None
-        block_size = self.config.block_size
-        width = -(-max(lengths) // block_size)
-        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        mask = torch.arange(width * block_size) >= torch.tensor(lengths)[:, None]
-        return self._tensor(padded), mask.to(self.device)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

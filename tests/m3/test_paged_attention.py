@@ -27,40 +27,31 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 7 * 80 // block_size + 20  # room for 7 requests of up to 80 tokens
-    k_cache = torch.zeros(LAYERS, num_blocks, KV_HEADS, block_size, DIM)
+    k_cache = torch.zeros(LAYERS, KV_HEADS, num_blocks, block_size, DIM)
     v_cache = torch.zeros_like(k_cache)
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered, out-of-order blocks, as after many allocations and frees
     # Each request: (tokens already cached, new tokens this step); 1 new token = a decode.
     requests = [(rng.randint(0, 60), rng.choice([1, 1, rng.randint(2, 20)])) for _ in range(7)]
     history = {i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)}
-    tables, slot_mapping, new_k, new_v, prefills, decode_rows, decode_tables, decode_lens = [], [], [], [], [], [], [], [], []
+    slot_mapping, new_k, new_v, all_tables, spans = [], [], [], [], []
     q = torch.randn(sum(n for _, n in requests), HEADS, DIM)
     row = 0
     for i, (cached, n) in enumerate(requests):
         total = cached + n
         table = [free.pop() for _ in range(-(-total // block_size))]
-        tables.append(table)
         keys, values = history[i]
         for p in range(cached):  # the cached part is already in the pool
-            k_cache[0, table[p // block_size], :, p % block_size] = keys[p]
-            v_cache[0, table[p // block_size], :, p % block_size] = values[p]
+            k_cache[0, :, table[p // block_size], p % block_size] = keys[p]
+            v_cache[0, :, table[p // block_size], p % block_size] = values[p]
         slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
         new_k.append(keys[cached:]), new_v.append(values[cached:])
-        if n == 1:
-            decode_rows.append(row), decode_tables.append(table), decode_lens.append(total)
-        else:
-            prefills.append((row, row + n, torch.tensor(table), total))
+        spans.append((row, row + n, len(all_tables) * block_size, total))
+        all_tables += table
         row += n
-    width = max((len(t) for t in decode_tables), default=0)
-    ctx = AttentionContext(
-        k_cache, v_cache, torch.tensor(slot_mapping), prefills, torch.tensor(decode_rows, dtype=torch.long),
-        torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long),
-        (torch.arange(width * block_size) >= torch.tensor(decode_lens)[:, None]) if decode_rows else None,
-    )
+    ctx = AttentionContext(k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables), spans)
     out = attention(q, torch.cat(new_k), torch.cat(new_v), 0, ctx)
-    row = 0
-    for i, (_, n) in enumerate(requests):
+    for i, (start, end, _, _) in enumerate(spans):
         keys, values = history[i]
-        torch.testing.assert_close(out[row : row + n], reference(q[row : row + n], keys, values), atol=1e-5, rtol=1e-5)
-        row += n
+        torch.testing.assert_close(out[start:end], reference(q[start:end], keys, values), atol=1e-5, rtol=1e-5)
+    assert not k_cache[1].any(), "another layer's cache was written"
