@@ -50,7 +50,7 @@ from _common import REPO_ROOT, HelpFormatter, text_token_ids
 
 DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
 HF_ENGINES = ("hf-generate", "hf-static", "hf-continuous")
-WORKLOADS = ("decode", "mixed")
+WORKLOADS = ("decode", "mixed", "shared")
 HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # the same budget as m2's defaults
 MB = 1024 * 1024
 
@@ -100,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="m1 runs only this prefix of the requests (it runs one at a time, so a full run is slow); 0 = all")
     g.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static row")
 
+    g = p.add_argument_group("shared-prefix workload (milestone rows only)")
+    g.add_argument("--shared-prefix-len", type=int, default=600, help="tokens of the system prompt every request shares")
+    g.add_argument("--shared-output-len-range", type=_int_range, default="32,128", metavar="LO,HI", help="output tokens, uniform")
+
     g = p.add_argument_group("engine options (passed only to milestones whose EngineConfig has them)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"requests running at once; default: the milestone's own (hf-continuous: {HF_CB_DEFAULTS['max_num_seqs']})")
@@ -107,6 +111,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"tokens per step; default: the milestone's own (hf-continuous: {HF_CB_DEFAULTS['max_num_batched_tokens']})")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the smallest that fits the selected workloads (max prompt + max output)")
+    g.add_argument("--tight-kv", type=int, default=None, metavar="N",
+                   help="a tight KV memory budget of N * max_model_len tokens: m2 gets N slots (max_num_seqs=N), "
+                        "paged milestones get the same bytes as a block pool (kv_cache_memory_bytes) and --max-num-seqs")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("bench_results/benchmark.json"), help="JSON results file")
@@ -148,6 +155,18 @@ class Request:
 
 def make_decode_prompt(tokenizer, length: int) -> list[int]:
     return text_token_ids(tokenizer, length)[:length]
+
+
+def make_shared_workload(tokenizer, n: int, prefix_len: int, output_range, seed: int) -> list[Request]:
+    """One long system prompt shared by every request, each followed by its own short question."""
+    rng = random.Random(seed + 1)
+    text = text_token_ids(tokenizer, prefix_len + 512)
+    prefix = text[:prefix_len]
+    requests = []
+    for _ in range(n):
+        start, length = rng.randrange(prefix_len, len(text) - 40), rng.randint(8, 32)
+        requests.append(Request(prefix + text[start : start + length], rng.randint(*output_range)))
+    return requests
 
 
 def make_mixed_workload(tokenizer, n: int, prompt_range, output_range, seed: int) -> list[Request]:
@@ -232,11 +251,16 @@ def machine_info(device) -> dict:
 # ----------------------------------------------------------------------------- milestones
 
 
-def engine_kwargs(mod, args, max_model_len: int) -> dict:
+def engine_kwargs(mod, args, max_model_len: int, kv_bytes_per_token: int) -> dict:
     """The engine options this milestone accepts (checked against its EngineConfig fields)."""
     accepted = {f.name for f in dataclasses.fields(mod.EngineConfig)}
     wanted = {"max_model_len": max_model_len, "seed": args.seed,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.tight_kv:  # the same KV bytes for every milestone: slots for m2, a block pool for the paged ones
+        if "kv_cache_memory_bytes" in accepted:
+            wanted["kv_cache_memory_bytes"] = args.tight_kv * max_model_len * kv_bytes_per_token
+        else:
+            wanted["max_num_seqs"] = args.tight_kv
     return {k: v for k, v in wanted.items() if v is not None and k in accepted}
 
 
@@ -262,14 +286,14 @@ def bench_decode_milestone(name, llm, sp_cls, prompt, args) -> dict:
                 runs=runs, _tokens=[list(out.outputs[0].token_ids)])
 
 
-def bench_mixed_milestone(name, llm, sp_cls, requests, args) -> dict:
+def bench_mixed_milestone(name, llm, sp_cls, requests, args, workload: str = "mixed") -> dict:
     engine = llm.engine
     note = None
     if name == "m1" and 0 < args.m1_requests < len(requests):
         requests = requests[: args.m1_requests]
         note = f"first {len(requests)} of the requests only (m1 runs one at a time)"
     llm.generate([requests[0].prompt_ids[:8]], sp_cls(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    peak = reserved = 0
+    peak = reserved = most_running = 0
     finished = {}
     t0 = time.perf_counter()
     ids = [engine.add_request(r.prompt_ids, sp_cls(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)) for r in requests]
@@ -280,10 +304,15 @@ def bench_mixed_milestone(name, llm, sp_cls, requests, args) -> dict:
                 finished[out.request_id] = out
         usage = engine.kv_usage()
         peak, reserved = max(peak, usage["used_bytes"]), max(reserved, usage["reserved_bytes"])
+        most_running = max(most_running, len(engine.scheduler.running_seqs()))
     wall = time.perf_counter() - t0
     outs = [finished[i] for i in ids]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return _row("mixed", name, "milestone", num_requests=len(outs), output_tokens=n_out, wall_s=wall,
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    cached = sum(getattr(o, "num_cached_tokens", 0) for o in outs)
+    return _row(workload, name, "milestone", num_requests=len(outs), output_tokens=n_out, wall_s=wall,
+                prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - cached, max_running=most_running,
+                num_preemptions=usage.get("num_preemptions"), prefix_hit_rate=usage.get("prefix_hit_rate"),
                 output_tokens_per_s=n_out / wall,
                 ttft_mean_s=_mean([o.metrics.time_to_first_token for o in outs]),
                 itl_mean_s=_mean([_itl(o.metrics.first_token_time, o.metrics.last_token_time, len(o.outputs[0].token_ids)) for o in outs]),
@@ -291,11 +320,11 @@ def bench_mixed_milestone(name, llm, sp_cls, requests, args) -> dict:
                 _tokens=[list(o.outputs[0].token_ids) for o in outs])
 
 
-def run_milestone(name, args, model, device, dtype, max_model_len, decode_prompt, requests) -> list[dict]:
+def run_milestone(name, args, model, device, dtype, max_model_len, decode_prompt, requests, shared, kv_bytes_per_token) -> list[dict]:
     rows = []
     try:
         mod = importlib.import_module(f"milestones.{name}")
-        kwargs = engine_kwargs(mod, args, max_model_len)
+        kwargs = engine_kwargs(mod, args, max_model_len, kv_bytes_per_token)
         t0 = time.perf_counter()
         llm = mod.LLM(model, device=device, dtype=dtype, **kwargs)
         load_s = time.perf_counter() - t0
@@ -307,6 +336,8 @@ def run_milestone(name, args, model, device, dtype, max_model_len, decode_prompt
         try:
             if workload == "decode":
                 row = bench_decode_milestone(name, llm, mod.SamplingParams, decode_prompt, args)
+            elif workload == "shared":
+                row = bench_mixed_milestone(name, llm, mod.SamplingParams, shared, args, workload="shared")
             else:
                 row = bench_mixed_milestone(name, llm, mod.SamplingParams, requests, args)
             row.update(extra)
@@ -515,15 +546,16 @@ def _fmt(x, spec: str, scale: float = 1.0) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ["workload", "engine", "tok/s", "vs hf", "TTFT ms", "ITL ms", "KV peak MB", "KV resv MB", "wall s", "reqs", "note"]
+    header = ["workload", "engine", "tok/s", "vs hf", "TTFT ms", "ITL ms", "KV peak MB", "KV resv MB", "max run", "prompt computed", "wall s", "reqs", "note"]
     lines = []
     for r in rows:
         if r["status"] != "ok":
-            lines.append([r["workload"], r["engine"], "error", "", "", "", "", "", "", "", (r["error"] or "")[:60]])
+            lines.append([r["workload"], r["engine"], "error", "", "", "", "", "", "", "", "", "", (r["error"] or "")[:60]])
             continue
         lines.append([r["workload"], r["engine"], _fmt(r["output_tokens_per_s"], ".1f"), _fmt(r.get("ratio_to_hf"), ".2f"),
                       _fmt(r["ttft_mean_s"], ".0f", 1000), _fmt(r["itl_mean_s"], ".1f", 1000), _fmt(r["kv_peak_mb"], ".1f"),
-                      _fmt(r["kv_reserved_mb"], ".1f"), _fmt(r["wall_s"], ".1f"), str(r["num_requests"]), r.get("note") or ""])
+                      _fmt(r["kv_reserved_mb"], ".1f"), _fmt(r.get("max_running"), ".0f"), _fmt(r.get("prompt_tokens_computed"), ".0f"),
+                      _fmt(r["wall_s"], ".1f"), str(r["num_requests"]), r.get("note") or ""])
     widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
     for i, line in enumerate([header, *lines]):
         print("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
@@ -581,9 +613,14 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     decode_prompt = make_decode_prompt(tokenizer, args.decode_prompt_len)
     requests = make_mixed_workload(tokenizer, args.num_requests, args.prompt_len_range, args.output_len_range, args.seed)
+    shared = make_shared_workload(tokenizer, args.num_requests, args.shared_prefix_len, args.shared_output_len_range, args.seed)
     max_model_len = args.max_model_len or max(
         [args.decode_prompt_len + args.decode_tokens] * ("decode" in args.workloads)
-        + [args.prompt_len_range[1] + args.output_len_range[1]] * ("mixed" in args.workloads))
+        + [args.prompt_len_range[1] + args.output_len_range[1]] * ("mixed" in args.workloads)
+        + [max(len(r.prompt_ids) for r in shared) + args.shared_output_len_range[1]] * ("shared" in args.workloads))
+    from transformers import AutoConfig
+
+    kv_bytes_per_token = _kv_bytes_per_token(AutoConfig.from_pretrained(model_path), dtype)
 
     results = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -595,7 +632,9 @@ def main(argv: list[str] | None = None) -> int:
                    "num_requests": args.num_requests, "prompt_len_range": list(args.prompt_len_range),
                    "output_len_range": list(args.output_len_range), "m1_requests": args.m1_requests,
                    "hf_batch_size": args.hf_batch_size, "max_model_len": max_model_len,
-                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+                   "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "tight_kv": args.tight_kv, "shared_prefix_len": args.shared_prefix_len,
+                   "shared_output_len_range": list(args.shared_output_len_range)},
         "results": [],
     }
     print(f"benchmark: {results['config']['model']} on {device} ({results['config']['dtype']}), "
@@ -613,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for name in args.milestones:
-        rows += run_milestone(name, args, args.model, device, dtype, max_model_len, decode_prompt, requests)
+        rows += run_milestone(name, args, args.model, device, dtype, max_model_len, decode_prompt, requests, shared, kv_bytes_per_token)
     rows += run_transformers(args, model_path, device, dtype, decode_prompt, requests)
 
     # Ratios to transformers, and token agreement with the first row of each workload.
