@@ -27,7 +27,7 @@ model: $(STAMP)
 	$(PY) -c "from milestones.model_store import resolve_model; print('model ready in', resolve_model())"
 
 demo: model
-	$(PY) examples/m1_inference.py
+	$(PY) examples/m2_inference.py
 
 test: model
 	$(PY) -m pytest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,27 @@ DEFAULT_CHAT_PROMPTS = [
 ]
 
 
+# The batched demos' prompts (m2-m4): different kinds and lengths of answer, so requests
+# finish at different steps and the batch changes shape as they run.
+DEMO_PROMPTS = [
+    ("fact", "What is the capital of Japan?"),
+    ("poem", "Write a four-line poem about the sea."),
+    ("arithmetic", "What is 10 divided by 2?"),
+    ("explanation", "Explain in two sentences why the sky is blue."),
+    ("list", "List five fruits."),
+    ("chinese", "用一句话介绍北京。"),  # multi-byte text: the detokenizer must not print half a character
+    ("code", "Write a Python function that checks whether a number is even."),
+    ("one word", "What is the opposite of hot? Answer with one word."),
+]
+
+
+def chat_token_ids(tokenizer, text: str, system: str | None = None) -> list[int]:
+    """The token ids of ``text`` as a user message in the chat template (what ``LLM.chat`` sends)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    templated = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(templated, add_special_tokens=False)
+
+
 def text_token_ids(tokenizer, min_tokens: int) -> list[int]:
     """The tokens of SAMPLE_TEXT, repeated as often as needed to hold at least ``min_tokens``."""
     ids = tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)
@@ -81,3 +103,109 @@ def fmt_seconds(seconds: float | None) -> str:
     if seconds is None:
         return "-"
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def fmt_bytes(num_bytes: float | None) -> str:
+    if num_bytes is None:
+        return "-"
+    return f"{num_bytes / 2**20:.1f} MiB" if num_bytes >= 2**20 else f"{num_bytes / 2**10:.1f} KiB"
+
+
+def busy_cores(interval: float = 0.25) -> tuple[float, int] | None:
+    """(cores busy right now, cores in all), from /proc/stat over ``interval`` seconds; None where it cannot tell.
+
+    Called while this process sleeps, so the busy cores are other processes' work.
+    """
+    def sample() -> tuple[list[int], int]:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+        ticks = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return ticks, sum(line.startswith("cpu") and line[3:4].isdigit() for line in lines)
+
+    try:
+        t0, ncpu = sample()
+        time.sleep(interval)
+        t1, _ = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    total = sum(t1) - sum(t0)
+    if total <= 0 or ncpu < 1:
+        return None
+    idle = (t1[3] + t1[4]) - (t0[3] + t0[4])
+    return ncpu * (1 - idle / total), ncpu
+
+
+_picked_threads: tuple[int, str] | None = None
+
+
+def pick_threads(requested: int | None) -> tuple[int, str]:
+    """Set torch's CPU threads: ``requested``, or by default one per core that is idle right now.
+
+    PyTorch starts one thread per core; when another process already keeps a core busy,
+    its threads wait for each other at every operation and a small model runs several
+    times slower than with fewer threads. Returns the count and a note saying why; the
+    first call decides for the whole process, later calls return the same answer.
+    """
+    global _picked_threads
+    if _picked_threads is None:
+        _picked_threads = _pick_threads(requested)
+    return _picked_threads
+
+
+def _pick_threads(requested: int | None) -> tuple[int, str]:
+    import torch
+
+    if requested:
+        torch.set_num_threads(requested)
+        return requested, "set by --threads"
+    default = torch.get_num_threads()
+    busy = busy_cores()
+    if busy is None:
+        return default, "torch's default"
+    load, ncpu = busy
+    idle = max(1, round(ncpu - load))
+    if idle >= default:
+        return default, "torch's default"
+    torch.set_num_threads(idle)
+    return idle, f"other processes keep ~{load:.1f} of {ncpu} cores busy; --threads N to choose"
+
+
+class EngineWatch:
+    """Watch an engine while ``LLM.generate`` drives it: the largest batch of any step, KV usage extremes, preemptions.
+
+    It wraps ``engine.scheduler.schedule`` (to see each step's batch) and ``engine.step``,
+    reading ``engine.kv_usage()`` after each; the engines themselves are not changed.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.steps = 0  # forward passes while watched (engine.num_steps counts them from the start)
+        self.max_batch = 0
+        self.high: dict[str, float] = {}  # the largest value of each kv_usage() entry seen
+        self.low: dict[str, float] = {}  # and the smallest
+        self.preempted: list[tuple[int, str]] = []  # (step, counting from 1; request id): sent from running back to waiting
+        scheduler = engine.scheduler
+        schedule, step, steps0 = scheduler.schedule, engine.step, engine.num_steps
+
+        def watched_schedule():
+            running = {seq.request_id for seq in scheduler.running}
+            batch = schedule()
+            self.preempted += [(engine.num_steps + 1, seq.request_id) for seq in scheduler.waiting if seq.request_id in running]
+            if batch is not None:
+                self.max_batch = max(self.max_batch, len(batch.seqs))
+                self._sample()  # blocks are at their fullest just after scheduling
+            return batch
+
+        def watched_step():
+            outputs = step()
+            self.steps = engine.num_steps - steps0
+            self._sample()  # tokens computed are at their most just after the forward pass
+            return outputs
+
+        engine.scheduler.schedule = watched_schedule
+        engine.step = watched_step
+
+    def _sample(self) -> None:
+        for key, value in self.engine.kv_usage().items():
+            self.high[key] = max(self.high.get(key, value), value)
+            self.low[key] = min(self.low.get(key, value), value)

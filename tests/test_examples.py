@@ -7,6 +7,7 @@ scripts work, not how fast anything is: timings are never asserted.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,72 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
         assert rows[("decode", m)]["output_tokens"] == 8 and "ratio_to_hf" in rows[("decode", m)]
     assert rows[("mixed", "hf-static-2")]["output_tokens"] == rows[("mixed", "m1")]["output_tokens"]  # the same wanted tokens
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def tiny_args(tiny_model_path, *extra: str) -> list[str]:
+    return ["--model", str(tiny_model_path), "--device", "cpu", "--threads", "1", *extra]
+
+
+def summary_value(out: str, name: str) -> str:
+    """The text after ``name:`` on a summary line, e.g. summary_value(out, "requests") == "8"."""
+    match = re.search(rf"^\s+{re.escape(name)}:\s+(.*)$", out, re.M)
+    assert match, f"no {name!r} line in\n{out}"
+    return match.group(1)
+
+
+def test_m2_inference_default_prompts(tiny_model_path):
+    out = run_script("examples/m2_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "4")).stdout
+    assert "[0] prompt: What is the capital of Japan?" in out and "[7] prompt:" in out and "[8]" not in out
+    assert out.count("completion:") == 8 and "finish reason: length" in out
+    assert summary_value(out, "requests") == "8" and summary_value(out, "output tokens") == "32"
+    assert summary_value(out, "largest batch").startswith("8 requests")  # all eight ran together
+    assert summary_value(out, "engine steps").startswith("4 forward passes")  # one prefill step and three decodes
+    assert re.match(r"[\d.]+ [KM]iB reserved, at most [\d.]+ [KM]iB used", summary_value(out, "KV cache"))
+
+
+def test_m2_inference_cycles_prompts(tiny_model_path):
+    out = run_script("examples/m2_inference.py", *tiny_args(tiny_model_path, "--num-prompts", "12", "--max-tokens", "6",
+                                                             "--max-num-seqs", "4", "--show", "3")).stdout
+    assert out.count("completion:") == 3 and "... and 9 more requests" in out
+    assert summary_value(out, "requests") == "12"
+    assert summary_value(out, "largest batch").startswith("4 requests")  # max_num_seqs caps the batch
+    assert 12 < int(summary_value(out, "output tokens")) <= 12 * 6  # the repeats get fewer max_tokens
+
+
+@pytest.mark.parametrize("pool", ["blocks", "memory"])
+def test_m3_inference_runs(tiny_model_path, pool):
+    # Blocks of 4 tokens and prompts of ~40: a pool of 24 blocks holds two requests, and they outgrow it.
+    size = ["--num-kv-blocks", "24"] if pool == "blocks" else ["--kv-cache-memory-mb", "1"]
+    out = run_script("examples/m3_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "16", "--block-size", "4",
+                                                             *size)).stdout
+    assert out.count("completion:") == 8 and "KV pool:" in out
+    assert summary_value(out, "requests") == "8" and summary_value(out, "output tokens") == str(8 * 16)
+    assert re.match(r"at most \d+ of \d+ in use", summary_value(out, "blocks"))
+    assert "m2 would reserve" in summary_value(out, "KV cache")
+    if pool == "blocks":
+        assert summary_value(out, "blocks").startswith("at most 24 of 24")
+        assert int(summary_value(out, "preemptions").split()[0]) > 0 and "preempted" in out
+
+
+def test_m4_inference_compare(tiny_model_path):
+    out = run_script("examples/m4_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "4", "--compare",
+                                                             "--scheduling-policy", "lpm")).stdout
+    assert "=== prefix cache on ===" in out and "=== prefix cache off ===" in out
+    assert out.count("completion:") == 8  # the second run's texts are compared, not printed
+    assert "[0] prompt: When is the museum open?" in out and "prompt tokens from the cache" in out
+    rows = dict(re.findall(r"^  (prompt tokens computed|prefix hit rate)\s+(\S+\s+\S+)$", out, re.M))
+    on, off = (int(x) for x in rows["prompt tokens computed"].split())
+    assert 0 < on < off  # the shared system prompt was computed once, not eight times
+    assert rows["prefix hit rate"].split()[1] == "0%"
+    assert "outputs: identical, token for token, for all 8 requests" in out
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("m2_inference.py", ("--num-prompts", "--max-tokens", "--max-num-seqs", "--max-num-batched-tokens", "--threads")),
+    ("m3_inference.py", ("--block-size", "--num-kv-blocks", "--kv-cache-memory-mb", "--max-num-seqs")),
+    ("m4_inference.py", ("--compare", "--no-prefix-caching", "--scheduling-policy", "--system", "--block-size")),
+])
+def test_batched_demos_help(script, flags):
+    proc = run_script(f"examples/{script}", "--help")
+    for flag in ("--model", "--prompt", "--temperature", "--seed", "--device", "--dtype", *flags):
+        assert flag in proc.stdout, flag
