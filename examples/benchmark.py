@@ -582,7 +582,9 @@ def write_plot(results: dict, path: Path) -> None:
         bars = ax.bar(names, values, color=colors)
         ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=2, fontsize=9)
         ax.set_title({"decode": f"decode: batch 1, {results['config']['decode_tokens']} tokens",
-                      "mixed": f"mixed: {results['config']['num_requests']} requests"}[workload])
+                      "mixed": f"mixed: {results['config']['num_requests']} requests",
+                      "shared": f"shared prefix: {results['config']['num_requests']} requests, "
+                                f"{results['config']['shared_prefix_len']}-token system prompt"}[workload])
         ax.set_ylabel("output tokens/s (higher is better)")
         ax.set_ylim(0, max(values) * 1.18)
         ax.tick_params(axis="x", labelrotation=15)
