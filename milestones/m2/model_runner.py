@@ -60,7 +60,8 @@ class ModelRunner:
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), requests)
         hidden = self.model(self._tensor(input_ids), ctx.positions, ctx)
         tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
-        return [next(tokens) if seq in sampled else None for seq in batch.seqs]
+        done = {seq.request_id for seq in sampled}
+        return [next(tokens) if seq.request_id in done else None for seq in batch.seqs]
     # --8<-- [end:execute]
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
