@@ -20,6 +20,7 @@ from torch import nn
 from .attention import AttentionContext, attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+LM_HEAD_SLICE = 1024  # vocabulary rows per F.linear call when computing logits for a batch
 
 
 @dataclass(slots=True, frozen=True)
@@ -239,13 +240,19 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits for the rows we sample from (only each request's last token), in fp32.
 
-        The head is the largest matrix (113 MB for SmolLM2 in fp32). For a few rows,
-        multiplying by a contiguous transposed copy runs about 2x faster on CPU than
-        ``F.linear`` (measured 5 ms vs 11 ms); the copy costs the head's size once.
+        The head is the largest matrix (113 MB for SmolLM2 in fp32), so its layout
+        matters on a CPU. For one or two rows, a contiguous transposed copy is about
+        2x faster than ``F.linear`` (5 ms vs 10 ms for one row). For a batch, running
+        ``F.linear`` over slices of 1,024 vocabulary rows is 20-40% faster than either
+        (48 ms vs 59 ms for 64 rows; measured with one thread, the BLAS simply does
+        better on the smaller shape). The copy is made on first use and costs the
+        head's size once.
         """
-        if self.lm_head_t is None:
-            self.lm_head_t = self.lm_head.weight.t().contiguous()
-        return (hidden @ self.lm_head_t).float()
+        if hidden.shape[0] <= 2:
+            if self.lm_head_t is None:
+                self.lm_head_t = self.lm_head.weight.t().contiguous()
+            return (hidden @ self.lm_head_t).float()
+        return torch.cat([F.linear(hidden, rows) for rows in self.lm_head.weight.split(LM_HEAD_SLICE)], dim=-1).float()
     # --8<-- [end:compute_logits]
 
     def load_weights(self, folder: Path) -> None:

@@ -1,6 +1,8 @@
 """Decide what runs in the next step. m4: continuous batching over a paged pool with a prefix cache.
 
-Plain Python (no torch). Scheduling is m3's; what changes is where blocks come from.
+Plain Python (no torch). Scheduling is m3's (admission by free blocks with one
+block of headroom per running request, preemption by recompute); what changes is
+where blocks come from.
 
 * Match at admission: a waiting request first looks up the longest cached prefix
   of its tokens in the radix tree. Those blocks start its block table and count
@@ -88,12 +90,13 @@ class Scheduler:
                 budget -= self._take(batch, seq, num_new)
         if self.config.scheduling_policy == "lpm" and self.tree is not None:
             self.waiting = deque(sorted(self.waiting, key=lambda s: -len(self.tree.match_prefix(s.token_ids[:-1])[0])))
-        # Admit waiting requests while their first chunk's blocks are free (never right after a preemption).
+        # Admit waiting requests while their first chunk's blocks are free and one more block per running
+        # request stays free, room for everyone to grow (never right after a preemption).
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
             self._match(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new):
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, headroom=len(self.running)):
                 self._release(seq)
                 break
             self.waiting.popleft()
@@ -130,13 +133,17 @@ class Scheduler:
         self.tree.unlock(locked)
         self.locked[seq.request_id] = node
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Can the sequence hold ``num_tokens`` tokens? Evict unlocked cached blocks if that is what it takes."""
-        missing = self.blocks.num_new_blocks(seq.request_id, num_tokens) - self.blocks.num_free_blocks
+    def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
+        """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
+
+        Evicts unlocked cached blocks if that is what it takes.
+        """
+        needed = self.blocks.num_new_blocks(seq.request_id, num_tokens) + headroom
+        missing = needed - self.blocks.num_free_blocks
         if missing > 0 and self.tree is not None:
             for block in self.tree.evict(missing):
                 self.blocks.release(block)
-        return self.blocks.can_grow(seq.request_id, num_tokens)
+        return needed <= self.blocks.num_free_blocks
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> int:
         """Schedule ``num_new`` tokens of the sequence, growing its block table to hold them."""

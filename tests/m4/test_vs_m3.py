@@ -91,6 +91,8 @@ def test_trap_fully_cached_prompt_still_computes_its_last_token(tiny_model_path)
 
 def test_trap_preempted_request_readmitted_with_a_cache_hit(tiny_model_path):
     prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=2)
+    for s in settings:
+        s["max_tokens"] = 40  # long enough that the running requests outgrow the pool after admission
     reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), prompts, settings)
     llm = m4.LLM(tiny_model_path, **LIMITS, block_size=8, num_kv_blocks=16)
     outs = llm.generate(prompts, [m4.SamplingParams(**s) for s in settings], use_tqdm=False)
