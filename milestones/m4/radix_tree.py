@@ -112,6 +112,10 @@ class RadixTree:
         return released
     # --8<-- [end:evict]
 
+    def num_evictable_blocks(self) -> int:
+        """Blocks that eviction could free now: those of nodes no running request has locked."""
+        return sum(len(node.blocks) for node in self._nodes() if node.lock_ref == 0)
+
     def cached_blocks(self) -> list[int]:
         return [b for node in self._nodes() for b in node.blocks]
 

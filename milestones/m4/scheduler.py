@@ -136,11 +136,12 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
         """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
 
-        Evicts unlocked cached blocks if that is what it takes.
+        Evicts unlocked cached blocks if that is what it takes, and only if it is enough:
+        a request that will not fit anyway leaves the cache alone.
         """
         needed = self.blocks.num_new_blocks(seq.request_id, num_tokens) + headroom
         missing = needed - self.blocks.num_free_blocks
-        if missing > 0 and self.tree is not None:
+        if missing > 0 and self.tree is not None and missing <= self.tree.num_evictable_blocks():
             for block in self.tree.evict(missing):
                 self.blocks.release(block)
         return needed <= self.blocks.num_free_blocks
