@@ -43,9 +43,11 @@ def test_locked_paths_are_never_evicted_and_eviction_is_lru():
     c, _ = tree.insert([4, 4], [4])
     tree.match_prefix([3, 3])  # touch b: now c is the least recently used
     tree.lock(a)
+    assert tree.num_evictable_blocks() == 2  # b and c; a's path is locked
     assert tree.evict(1) == [4]
     assert tree.evict(10) == [3]  # a's path is locked: nothing else can go
     tree.unlock(a)
+    assert tree.num_evictable_blocks() == 2
     assert sorted(tree.evict(10)) == [1, 2]  # leaf first, then its parent once it is a leaf
     assert tree.cached_blocks() == []
     tree.check_integrity()
