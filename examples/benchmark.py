@@ -18,6 +18,8 @@ Workloads
 Rows
   mK              milestone K through its engine API (add every request, then step() until
                   done), peak and reserved KV bytes from ``engine.kv_usage()``.
+                  mK@torch / mK@cpp (m2 on): the same with that attention_backend, to see what
+                  the compiled decode kernel buys; plain mK uses the default ("auto").
                   m1 runs requests one at a time; on the mixed workload it runs only the first
                   --m1-requests of them (output tokens/s stays comparable, the totals do not).
   hf-generate     (decode) transformers ``model.generate``, greedy, min_new_tokens = max_new_tokens.
@@ -50,6 +52,7 @@ from _common import REPO_ROOT, HelpFormatter, text_token_ids
 
 DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
 HF_ENGINES = ("hf-generate", "hf-static", "hf-continuous")
+ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # m2@torch: m2 with attention_backend="torch"
 WORKLOADS = ("decode", "mixed", "shared")
 HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # the same budget as m2's defaults
 MB = 1024 * 1024
@@ -130,11 +133,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in names:
         expanded = [*MILESTONES, *HF_ENGINES] if name == "all" else HF_ENGINES if name == "hf" else [name]
         for e in expanded:
-            if e not in MILESTONES and e not in HF_ENGINES:
-                p.error(f"unknown engine {e!r}; choose from {', '.join([*MILESTONES, 'hf', *HF_ENGINES])}")
+            milestone, _, backend = e.partition("@")
+            if e not in HF_ENGINES and (milestone not in MILESTONES or (backend and backend not in ATTENTION_BACKENDS)):
+                p.error(f"unknown engine {e!r}; choose from {', '.join([*MILESTONES, 'hf', *HF_ENGINES])}, "
+                        f"a milestone may name its attention backend: m2@torch, m2@cpp")
             if e not in engines:
                 engines.append(e)
-    args.milestones = [e for e in engines if e in MILESTONES]
+    args.milestones = [e for e in engines if e not in HF_ENGINES]
     args.hf_rows = [e for e in engines if e in HF_ENGINES]
     for flag in ("decode_tokens", "decode_prompt_len", "runs", "num_requests", "hf_batch_size"):
         if getattr(args, flag) < 1:
@@ -289,7 +294,7 @@ def bench_decode_milestone(name, llm, sp_cls, prompt, args) -> dict:
 def bench_mixed_milestone(name, llm, sp_cls, requests, args, workload: str = "mixed") -> dict:
     engine = llm.engine
     note = None
-    if name == "m1" and 0 < args.m1_requests < len(requests):
+    if name.startswith("m1") and 0 < args.m1_requests < len(requests):
         requests = requests[: args.m1_requests]
         note = f"first {len(requests)} of the requests only (m1 runs one at a time)"
     llm.generate([requests[0].prompt_ids[:8]], sp_cls(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -323,14 +328,20 @@ def bench_mixed_milestone(name, llm, sp_cls, requests, args, workload: str = "mi
 def run_milestone(name, args, model, device, dtype, max_model_len, decode_prompt, requests, shared, kv_bytes_per_token) -> list[dict]:
     rows = []
     try:
-        mod = importlib.import_module(f"milestones.{name}")
+        milestone, _, backend = name.partition("@")
+        mod = importlib.import_module(f"milestones.{milestone}")
         kwargs = engine_kwargs(mod, args, max_model_len, kv_bytes_per_token)
+        if backend:
+            if "attention_backend" not in {f.name for f in dataclasses.fields(mod.EngineConfig)}:
+                raise ValueError(f"{milestone} has no attention_backend option")
+            kwargs["attention_backend"] = backend
         t0 = time.perf_counter()
         llm = mod.LLM(model, device=device, dtype=dtype, **kwargs)
         load_s = time.perf_counter() - t0
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
         return [_error_row(w, name, "milestone", err) for w in args.workloads]
-    extra = {"engine_kwargs": kwargs, "engine_config": _config_dict(llm.engine.config), "load_s": load_s}
+    extra = {"engine_kwargs": kwargs, "engine_config": _config_dict(llm.engine.config), "load_s": load_s,
+             "decode_kernel": getattr(llm.engine.runner, "decode_kernel", None) is not None}
     for workload in args.workloads:
         print(f"- {name}: {workload} ...", flush=True)
         try:

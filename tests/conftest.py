@@ -22,6 +22,12 @@ from milestones.model_store import resolve_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+# The compiled decode kernel needs a C++ compiler (torch's cpp_extension uses $CXX, else c++).
+needs_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler to build the decode-attention kernel"
+)
+
+
 def selected_milestones() -> list[str]:
     """All milestones, or those in $MILESTONES (comma-separated), e.g. MILESTONES=m2 for `make test-m2`."""
     wanted = os.environ.get("MILESTONES")

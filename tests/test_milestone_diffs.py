@@ -13,21 +13,25 @@ from milestones import CHANGED_FILES, MILESTONES
 ROOT = Path(milestones.__file__).parent
 
 
-def python_files(milestone: str) -> set[str]:
-    return {p.name for p in (ROOT / milestone).glob("*.py")}
+SOURCE_SUFFIXES = (".py", ".cpp")
+
+
+def source_files(milestone: str) -> set[str]:
+    """The milestone's source files: its Python modules and its C++ kernel."""
+    return {p.name for p in (ROOT / milestone).iterdir() if p.suffix in SOURCE_SUFFIXES}
 
 
 @pytest.mark.parametrize("previous, current", list(zip(MILESTONES, MILESTONES[1:])))
 def test_undeclared_files_are_identical_to_the_previous_milestone(previous, current):
     declared = CHANGED_FILES[current]
-    changed = {name for name in python_files(current) if name not in python_files(previous)}
+    changed = {name for name in source_files(current) if name not in source_files(previous)}
     changed |= {
-        name for name in python_files(current) & python_files(previous)
+        name for name in source_files(current) & source_files(previous)
         if not filecmp.cmp(ROOT / previous / name, ROOT / current / name, shallow=False)
     }
     assert changed <= declared, f"{current} changes {sorted(changed - declared)} without declaring it in milestones.CHANGED_FILES"
     assert declared <= changed, f"{current} declares {sorted(declared - changed)} as changed, but they are identical: drop them"
-    assert python_files(previous) <= python_files(current), f"{current} lost files of {previous}"
+    assert source_files(previous) <= source_files(current), f"{current} lost files of {previous}"
 
 
 def test_every_milestone_is_declared():

@@ -11,7 +11,7 @@ Two marker lines are replaced, each on a line of its own:
 ``<!-- changed-files m3 -->``
     a bullet list of ``milestones.CHANGED_FILES["m3"]``, new files marked as such.
 
-The ``# --8<--`` snippet-section marker lines are dropped from both files before
+The ``# --8<--`` (and, in C++, ``// --8<--``) snippet-section marker lines are dropped from both files before
 diffing, so the diff shows only code (and pymdownx.snippets never sees them).
 
 Anything wrong (an unknown milestone, a missing file, two identical files, a marker
@@ -31,7 +31,7 @@ from pathlib import Path
 from mkdocs.exceptions import PluginError
 
 MARKER = re.compile(r"^[ \t]*<!--[ \t]*(diff|changed-files)\b(.*?)-->[ \t]*$", re.MULTILINE)
-SNIPPET_LINE = re.compile(r"^\s*#\s*--8<--")
+SNIPPET_LINE = re.compile(r"^\s*(#|//)\s*--8<--")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -7,7 +7,9 @@ reading only its own slot, up to its own length: no padding, no copies.
 
 A request in the batch is either decoding (one new token, which sees its whole
 cache) or prefilling a chunk of its prompt (several new tokens, which see the
-part of the prompt cached before them and, causally, each other).
+part of the prompt cached before them and, causally, each other). With a compiled
+decode kernel (``decode_kernel.py``) the decoding requests go to it all at once,
+and only the prefill chunks take the per-request torch path.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .decode_kernel import DecodeKernel
 
 
 # --8<-- [start:context]
@@ -28,6 +32,17 @@ class AttentionContext:
     token_slots: torch.Tensor  # [num_tokens]: the KV slot of each new token's request
     positions: torch.Tensor  # [num_tokens]: where in its slot each new token goes
     requests: list[tuple[int, int, int, int]]  # per request: (first row, end row, KV slot, context length)
+    kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
+
+
+@dataclass(slots=True)
+class KernelBatch:
+    """Requests with one new token each, attended to by one call of the compiled kernel."""
+
+    kernel: DecodeKernel
+    rows: torch.Tensor  # [d]: the row of each request's token in the flat batch
+    block_tables: torch.Tensor  # [d, 1]: its KV slot, seen by the kernel as one block of max_model_len positions
+    context_lens: torch.Tensor  # [d]
 # --8<-- [end:context]
 
 
@@ -38,6 +53,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     k_cache[ctx.token_slots, :, ctx.positions] = k
     v_cache[ctx.token_slots, :, ctx.positions] = v
     out = torch.empty_like(q)
+    if (batch := ctx.kernel_batch) is not None:
+        scale = q.shape[-1] ** -0.5
+        out[batch.rows] = batch.kernel(q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     for start, end, slot, context_len in ctx.requests:
         keys, values = k_cache[slot, :, :context_len], v_cache[slot, :, :context_len]  # views, no copy
         attend = decode_attention if end - start == 1 else prefill_attention

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_MAX_MODEL_LEN = 2048  # each request's KV slot is this long, so keep the default modest
+ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
 
 
 @dataclass(slots=True)
@@ -18,6 +19,7 @@ class EngineConfig:
     seed: int = 0  # seeds the requests that bring no seed of their own
     max_num_seqs: int = 16  # requests running at once (each owns a KV slot of max_model_len)
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
+    attention_backend: str = "auto"  # decode attention: "torch" (the reference), "cpp" (compiled, CPU float32), "auto"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
@@ -41,4 +43,10 @@ class EngineConfig:
                 f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
                 f"request can decode each step, got {self.max_num_batched_tokens!r}"
             )
-        return EngineConfig(self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
+        return EngineConfig(
+            self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens, self.attention_backend
+        )

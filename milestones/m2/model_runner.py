@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .attention import AttentionContext
+from .attention import AttentionContext, KernelBatch
 from .config import EngineConfig
+from .decode_kernel import decode_kernel_for
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
@@ -29,6 +30,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
+        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -46,6 +48,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         input_ids, positions, token_slots, requests = [], [], [], []
+        kernel_rows, kernel_slots, kernel_lens = [], [], []  # decoding requests, when the kernel takes them
         last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
         for seq, num_new, slot in zip(batch.seqs, batch.num_new_tokens, batch.kv_slots):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -53,16 +56,23 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             token_slots += [slot] * num_new
-            requests.append((row, row + num_new, slot, end))
+            if num_new == 1 and self.decode_kernel is not None:  # a decode: the kernel takes it
+                kernel_rows.append(row)
+                kernel_slots.append([slot])
+                kernel_lens.append(end)
+            else:
+                requests.append((row, row + num_new, slot, end))
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 last_rows.append(row + num_new - 1)
                 sampled.append(seq)
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), requests)
+        if kernel_rows:
+            ctx.kernel_batch = KernelBatch(self.decode_kernel, *map(self._tensor, (kernel_rows, kernel_slots, kernel_lens)))
         hidden = self.model(self._tensor(input_ids), ctx.positions, ctx)
         tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
         done = {seq.request_id for seq in sampled}
         return [next(tokens) if seq.request_id in done else None for seq in batch.seqs]
     # --8<-- [end:execute]
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -9,7 +9,9 @@ requests' tables at once, one copy per layer, after which each request reads its
 own range exactly as in m2.
 
 This is plain torch, correct on CPU and CUDA. A real paged-attention kernel
-(vLLM's) reads the blocks in place instead of copying them.
+(vLLM's) reads the blocks in place instead of copying them, and so does the
+compiled decode kernel (``decode_kernel.py``) when it is on: the decoding
+requests go to it with their block tables, and only prefill chunks are gathered.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .decode_kernel import DecodeKernel
 
 
 # --8<-- [start:context]
@@ -30,6 +34,17 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [num_tokens]: block * block_size + offset of each new token
     block_tables: torch.Tensor  # every request's block table, one after the other
     requests: list[tuple[int, int, int, int]]  # per request: (first row, end row, first gathered position, context length)
+    kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
+
+
+@dataclass(slots=True)
+class KernelBatch:
+    """Requests with one new token each, attended to by one call of the compiled kernel."""
+
+    kernel: DecodeKernel
+    rows: torch.Tensor  # [d]: the row of each request's token in the flat batch
+    block_tables: torch.Tensor  # [d, max_blocks]: each request's block table, padded with block 0 (never read)
+    context_lens: torch.Tensor  # [d]
 # --8<-- [end:context]
 
 
@@ -41,8 +56,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     blocks, offsets = ctx.slot_mapping // block_size, ctx.slot_mapping % block_size
     k_cache[:, blocks, offsets] = k.transpose(0, 1)
     v_cache[:, blocks, offsets] = v.transpose(0, 1)
-    all_keys, all_values = gather(k_cache, ctx.block_tables), gather(v_cache, ctx.block_tables)
     out = torch.empty_like(q)
+    if (batch := ctx.kernel_batch) is not None:  # the kernel reads the blocks where they are: [blocks, kv_heads, ...] views
+        scale = q.shape[-1] ** -0.5
+        pool_k, pool_v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
+        out[batch.rows] = batch.kernel(q[batch.rows], pool_k, pool_v, batch.block_tables, batch.context_lens, scale)
+    if not ctx.requests:
+        return out
+    all_keys, all_values = gather(k_cache, ctx.block_tables), gather(v_cache, ctx.block_tables)
     for start, end, first, context_len in ctx.requests:
         keys, values = all_keys[:, first : first + context_len], all_values[:, first : first + context_len]
         attend = decode_attention if end - start == 1 else prefill_attention

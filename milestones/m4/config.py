@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_MAX_MODEL_LEN = 2048
+ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
 
 
 @dataclass(slots=True)
@@ -18,6 +19,7 @@ class EngineConfig:
     seed: int = 0  # seeds the requests that bring no seed of their own
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
+    attention_backend: str = "auto"  # decode attention: "torch" (the reference), "cpp" (compiled, CPU float32), "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
@@ -50,10 +52,14 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         return EngineConfig(
-            self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens,
+            self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens, self.attention_backend,
             self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes, bool(self.enable_prefix_caching),
             self.scheduling_policy,
         )

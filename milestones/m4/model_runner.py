@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from .attention import AttentionContext
+from .attention import AttentionContext, KernelBatch
 from .config import EngineConfig
+from .decode_kernel import decode_kernel_for
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
@@ -32,6 +33,7 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
+        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -50,6 +52,7 @@ class ModelRunner:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         block_size = self.config.block_size
         input_ids, positions, slot_mapping, block_tables, requests = [], [], [], [], []
+        kernel_rows, kernel_tables, kernel_lens = [], [], []  # decoding requests, when the kernel takes them
         last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -57,12 +60,21 @@ class ModelRunner:
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            requests.append((row, row + num_new, len(block_tables) * block_size, end))
-            block_tables += table[: -(-end // block_size)]
+            if num_new == 1 and self.decode_kernel is not None:  # a decode: the kernel reads its blocks in place
+                kernel_rows.append(row)
+                kernel_tables.append(table[: -(-end // block_size)])
+                kernel_lens.append(end)
+            else:
+                requests.append((row, row + num_new, len(block_tables) * block_size, end))
+                block_tables += table[: -(-end // block_size)]
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 last_rows.append(row + num_new - 1)
                 sampled.append(seq)
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(slot_mapping), self._tensor(block_tables), requests)
+        if kernel_rows:
+            width = max(map(len, kernel_tables))
+            padded = [table + [0] * (width - len(table)) for table in kernel_tables]
+            ctx.kernel_batch = KernelBatch(self.decode_kernel, *map(self._tensor, (kernel_rows, padded, kernel_lens)))
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
         tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
         done = {seq.request_id for seq in sampled}

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from milestones.m3.attention import AttentionContext, attention
+from milestones.m3.attention import AttentionContext, KernelBatch, attention
+from milestones.m3.decode_kernel import load_decode_kernel
+from tests.conftest import needs_compiler
 
 HEADS, KV_HEADS, DIM, LAYERS = 6, 2, 16, 2
 
@@ -21,9 +23,11 @@ def reference(q_new, keys, values):
     return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_compiler)], ids=["torch", "kernel"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
+def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel):
+    """With the kernel on, decodes read their blocks in place and only prefill chunks are gathered."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 7 * 80 // block_size + 20  # room for 7 requests of up to 80 tokens
@@ -34,7 +38,7 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
     # Each request: (tokens already cached, new tokens this step); 1 new token = a decode.
     requests = [(rng.randint(0, 60), rng.choice([1, 1, rng.randint(2, 20)])) for _ in range(7)]
     history = {i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)}
-    slot_mapping, new_k, new_v, all_tables, spans = [], [], [], [], []
+    slot_mapping, new_k, new_v, all_tables, spans, decodes = [], [], [], [], [], []
     q = torch.randn(sum(n for _, n in requests), HEADS, DIM)
     row = 0
     for i, (cached, n) in enumerate(requests):
@@ -46,12 +50,23 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed):
             v_cache[0, :, table[p // block_size], p % block_size] = values[p]
         slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
         new_k.append(keys[cached:]), new_v.append(values[cached:])
-        spans.append((row, row + n, len(all_tables) * block_size, total))
-        all_tables += table
+        if use_kernel and n == 1:
+            decodes.append((row, table, total))
+        else:
+            spans.append((row, row + n, len(all_tables) * block_size, total))
+            all_tables += table
         row += n
-    ctx = AttentionContext(k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables), spans)
+    ctx = AttentionContext(k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables, dtype=torch.long), spans)
+    if decodes:
+        width = max(len(table) for _, table, _ in decodes)
+        tables = torch.tensor([table + [0] * (width - len(table)) for _, table, _ in decodes])
+        rows, lengths = torch.tensor([r for r, _, _ in decodes]), torch.tensor([t for _, _, t in decodes])
+        ctx.kernel_batch = KernelBatch(load_decode_kernel(), rows, tables, lengths)
     out = attention(q, torch.cat(new_k), torch.cat(new_v), 0, ctx)
-    for i, (start, end, _, _) in enumerate(spans):
+    rows = [0]
+    for _, n in requests:
+        rows.append(rows[-1] + n)
+    for i, (start, end) in enumerate(zip(rows, rows[1:])):
         keys, values = history[i]
         torch.testing.assert_close(out[start:end], reference(q[start:end], keys, values), atol=1e-5, rtol=1e-5)
     assert not k_cache[1].any(), "another layer's cache was written"

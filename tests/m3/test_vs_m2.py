@@ -39,6 +39,14 @@ def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, referen
     llm.engine.scheduler.blocks.check_integrity()
 
 
+def test_m3_with_plain_torch_attention_matches_m2(tiny_model_path, workload, reference):
+    """The reference path (gather every block table, per-request torch attention), preempting as well."""
+    llm = m3.LLM(tiny_model_path, block_size=16, num_kv_blocks=12, attention_backend="torch", **LIMITS)
+    assert llm.engine.runner.decode_kernel is None
+    assert run(m3, llm, *workload) == reference
+    assert llm.engine.kv_usage()["num_preemptions"] >= 10
+
+
 def test_request_that_can_never_fit_is_refused_and_others_still_run(tiny_model_path):
     llm = m3.LLM(tiny_model_path, block_size=4, num_kv_blocks=10, **LIMITS)
     params = m3.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -1,0 +1,113 @@
+// Decode attention for many requests at once, compiled: the fast path behind
+// attention_backend="cpp" (see decode_kernel.py, which builds and loads it).
+//
+// Every request in the call has exactly one new query token, which sees its
+// whole cached context. torch on the CPU spends most of that time between
+// operators: a per-request bmm / softmax / bmm is a few microseconds of work and
+// tens of microseconds of dispatch, and its matrices (3 query rows against a
+// kv head) are too thin for BLAS to stream the cache at memory speed. Here one
+// call does every (request, kv head) pair: read the keys once for the scores,
+// softmax them, read the values once for the weighted sum, in float32.
+//
+// The cache is addressed through a block table, so the same kernel serves m2
+// (one block per request: its whole slot) and m3 (blocks of block_size tokens
+// anywhere in the pool); keys are read where they are, never gathered.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// --8<-- [start:kernel]
+// q: [n, heads, dim]; k, v: [num_blocks, kv_heads, block_size, dim] (any strides, dim contiguous);
+// block_tables: [n, max_blocks] (int64); context_lens: [n] (int64). Returns [n, heads, dim].
+template <int64_t FIXED_DIM>  // 0: the head size is only known at run time
+static void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                   const torch::Tensor& block_tables, const torch::Tensor& context_lens, float scale,
+                   torch::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), dim = FIXED_DIM ? FIXED_DIM : q.size(2);
+  const int64_t kv_heads = k.size(1), block_size = k.size(2), group = heads / kv_heads;
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lengths = context_lens.data_ptr<int64_t>();
+  const int64_t table_width = block_tables.size(1);
+  const int64_t k_block = k.stride(0), k_head = k.stride(1), k_pos = k.stride(2);
+  const int64_t v_block = v.stride(0), v_head = v.stride(1), v_pos = v.stride(2);
+
+  // One task per (request, kv head): its `group` query heads share the keys and values read.
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t first_task, int64_t end_task) {
+    std::vector<float> scores;  // [group, context_len]
+    for (int64_t task = first_task; task < end_task; ++task) {
+      const int64_t i = task / kv_heads, h = task % kv_heads, len = lengths[i];
+      const int64_t* table = tables + i * table_width;
+      const float* queries = q_data + (i * heads + h * group) * dim;
+      float* outputs = out_data + (i * heads + h * group) * dim;
+      scores.resize(group * len);
+
+      for (int64_t t = 0; t < len; ++t) {  // scores = q . k for every cached position
+        const float* key = k_data + table[t / block_size] * k_block + h * k_head + (t % block_size) * k_pos;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* query = queries + g * dim;
+          float dot = 0.f;
+          for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+          scores[g * len + t] = dot * scale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax over the context, per query head
+        float* s = scores.data() + g * len;
+        const float top = *std::max_element(s, s + len);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
+        for (int64_t t = 0; t < len; ++t) s[t] /= sum;
+      }
+      std::fill(outputs, outputs + group * dim, 0.f);
+      for (int64_t t = 0; t < len; ++t) {  // out = sum of p * v
+        const float* value = v_data + table[t / block_size] * v_block + h * v_head + (t % block_size) * v_pos;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* output = outputs + g * dim;
+          for (int64_t d = 0; d < dim; ++d) output[d] += p * value[d];
+        }
+      }
+    }
+  });
+}
+// --8<-- [end:kernel]
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_tables,
+                               torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention runs on the CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "decode_attention takes float32 tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "q: [n, heads, dim]; k, v: [blocks, kv_heads, block_size, dim]");
+  TORCH_CHECK(k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0, "head sizes differ, or heads is not a multiple of kv_heads");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "the last dimension of k and v must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "tables and lengths are int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "one block table row and one context length per query");
+  q = q.contiguous();
+  block_tables = block_tables.contiguous();
+  context_lens = context_lens.contiguous();
+  TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int64_t>() >= 1, "every context holds at least one token");
+  TORCH_CHECK(context_lens.numel() == 0 || context_lens.max().item<int64_t>() <= block_tables.size(1) * k.size(2),
+              "a context is longer than its block table covers");
+  TORCH_CHECK(block_tables.numel() == 0 || (block_tables.min().item<int64_t>() >= 0 && block_tables.max().item<int64_t>() < k.size(0)),
+              "a block table names a block outside the cache");
+  auto out = torch::empty_like(q);
+  const float s = static_cast<float>(scale);
+  switch (q.size(2)) {  // the common head sizes get a loop the compiler can unroll
+    case 64: attend<64>(q, k, v, block_tables, context_lens, s, out); break;
+    case 128: attend<128>(q, k, v, block_tables, context_lens, s, out); break;
+    default: attend<0>(q, k, v, block_tables, context_lens, s, out);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "decode attention through block tables (float32, CPU)");
+}

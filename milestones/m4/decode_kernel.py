@@ -1,0 +1,65 @@
+"""Build and load the compiled decode-attention kernel (``decode_attention.cpp``).
+
+The plain-torch attention in ``attention.py`` is the reference: it is what the
+lesson reads and what runs on CUDA. On the CPU its per-request operators cost
+more in dispatch than in arithmetic, so ``attention_backend="cpp"`` (and
+``"auto"``, the default, on a CPU in float32) hands every decoding request of a
+step to one compiled call instead. torch builds it with the machine's C++
+compiler the first time (~30 s) and caches it under ``~/.cache/torch_extensions``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math lets the compiler vectorise the dot products
+
+DecodeKernel = Callable[..., torch.Tensor]  # (q, k, v, block_tables, context_lens, scale) -> out
+
+
+@functools.cache
+def load_decode_kernel() -> DecodeKernel:
+    """Compile (once per machine) and import the kernel; raises if the build fails."""
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    name = f"milestones_decode_attention_{digest}"  # a changed source or flag builds anew
+    if not (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists():
+        print("building the C++ decode-attention kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
+    module = cpp_extension.load_inline(  # inline: the copies in m2, m3, ... share one build
+        name=name,
+        cpp_sources=[SOURCE.read_text()],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],  # the same libgomp torch already loaded
+        verbose=False,
+    )
+    return module.decode_attention
+
+
+def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:
+    """The kernel this engine should use, or None for plain-torch attention.
+
+    ``"auto"`` falls back to torch with a warning when the kernel cannot be built
+    (no compiler, say); ``"cpp"`` turns that into an error.
+    """
+    if backend == "torch" or device.type != "cpu" or dtype != torch.float32:
+        return None  # config.resolve already refused "cpp" for anything but CPU float32
+    try:
+        return load_decode_kernel()
+    except Exception as error:  # a compiler error arrives as one of several exception types
+        if backend == "cpp":
+            raise RuntimeError(f"could not build the C++ decode-attention kernel ({error}); use attention_backend='torch'") from error
+        warnings.warn(f"C++ decode-attention kernel unavailable ({error}); using plain-torch attention", stacklevel=2)
+        return None

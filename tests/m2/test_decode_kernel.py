@@ -1,0 +1,85 @@
+"""The compiled decode kernel against m2's plain-torch decode attention, and the attention_backend switch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from milestones import m2
+from milestones.m2 import decode_kernel
+from milestones.m2.attention import decode_attention
+from tests.conftest import needs_compiler
+from tests.m2.test_vs_m1 import mixed_workload, run
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return decode_kernel.load_decode_kernel()
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 2, 128), (4, 4, 24)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_equals_torch_decode_on_ragged_slots(kernel, heads, kv_heads, dim, seed):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    num_slots, max_len = 8, 300
+    k_cache, v_cache = torch.randn(num_slots, kv_heads, max_len, dim), torch.randn(num_slots, kv_heads, max_len, dim)
+    slots = rng.sample(range(num_slots), 6)  # out of order, some slots idle
+    lengths = [1, max_len] + [rng.randint(1, max_len) for _ in range(4)]
+    q = torch.randn(len(slots), heads, dim)
+    out = kernel(q, k_cache, v_cache, torch.tensor(slots)[:, None], torch.tensor(lengths), dim**-0.5)
+    for i, (slot, length) in enumerate(zip(slots, lengths)):
+        expected = decode_attention(q[i : i + 1], k_cache[slot, :, :length], v_cache[slot, :, :length])
+        torch.testing.assert_close(out[i : i + 1], expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_kernel_refuses_bad_input_with_a_clear_error(kernel):
+    k = v = torch.zeros(2, 1, 8, 16)
+    q, table, lengths = torch.zeros(1, 2, 16), torch.tensor([[1]]), torch.tensor([8])
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(q.double(), k, v, table, lengths, 1.0)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        kernel(q, k, v, table, torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernel(q, k, v, torch.tensor([[2]]), lengths, 1.0)
+    with pytest.raises(RuntimeError, match="at least one token"):
+        kernel(q, k, v, table, torch.tensor([0]), 1.0)
+
+
+@needs_compiler
+def test_the_backends_give_the_same_tokens(tiny_model_path):
+
+    prompts, settings = mixed_workload(12, seed=7, max_prompt=90, max_output=40)
+    limits = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    reference = run(m2, m2.LLM(tiny_model_path, attention_backend="torch", **limits), prompts, settings)
+    llm = m2.LLM(tiny_model_path, attention_backend="cpp", **limits)
+    assert llm.engine.runner.decode_kernel is not None
+    assert run(m2, llm, prompts, settings) == reference
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, tiny_model_path):
+    def broken():
+        raise OSError("no C++ compiler found")
+
+    monkeypatch.setattr(decode_kernel, "load_decode_kernel", broken)
+    assert decode_kernel.decode_kernel_for("torch", CPU, torch.float32) is None
+    with pytest.raises(RuntimeError, match="attention_backend='torch'"):
+        decode_kernel.decode_kernel_for("cpp", CPU, torch.float32)
+    with pytest.warns(UserWarning, match="plain-torch attention"):
+        llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, attention_backend="auto")
+    assert llm.engine.runner.decode_kernel is None
+    out = llm.generate([[5, 6, 7]], m2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_backend_option_is_checked(tiny_model_path):
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        m2.LLM(tiny_model_path, device="cpu", attention_backend="flash")
+    with pytest.raises(ValueError, match="CPU in float32 only"):
+        m2.LLM(tiny_model_path, device="cpu", dtype="bfloat16", attention_backend="cpp")
