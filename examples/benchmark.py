@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         expanded = [*MILESTONES, *HF_ENGINES] if name == "all" else HF_ENGINES if name == "hf" else [name]
         for e in expanded:
             milestone, _, backend = e.partition("@")
-            if e not in HF_ENGINES and (milestone not in MILESTONES or (backend and backend not in ATTENTION_BACKENDS)):
+            if e not in HF_ENGINES and (milestone not in MILESTONES or ("@" in e and backend not in ATTENTION_BACKENDS)):
                 p.error(f"unknown engine {e!r}; choose from {', '.join([*MILESTONES, 'hf', *HF_ENGINES])}, "
                         f"a milestone may name its attention backend: m2@torch, m2@cpp")
             if e not in engines:

@@ -85,7 +85,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention takes float32 tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "q: [n, heads, dim]; k, v: [blocks, kv_heads, block_size, dim]");
-  TORCH_CHECK(k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0, "head sizes differ, or heads is not a multiple of kv_heads");
+  TORCH_CHECK(k.size(1) > 0 && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
+              "head sizes differ, or heads is not a multiple of kv_heads");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "the last dimension of k and v must be contiguous");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "tables and lengths are int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
@@ -93,11 +94,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  TORCH_CHECK(context_lens.numel() == 0 || context_lens.min().item<int64_t>() >= 1, "every context holds at least one token");
-  TORCH_CHECK(context_lens.numel() == 0 || context_lens.max().item<int64_t>() <= block_tables.size(1) * k.size(2),
-              "a context is longer than its block table covers");
-  TORCH_CHECK(block_tables.numel() == 0 || (block_tables.min().item<int64_t>() >= 0 && block_tables.max().item<int64_t>() < k.size(0)),
-              "a block table names a block outside the cache");
+  const int64_t* lengths = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < context_lens.numel(); ++i)  // plain loops: torch reductions here would cost more than they check
+    TORCH_CHECK(lengths[i] >= 1 && lengths[i] <= block_tables.size(1) * k.size(2),
+                "every context holds at least one token, and no more than its block table covers");
+  for (int64_t i = 0; i < block_tables.numel(); ++i)
+    TORCH_CHECK(tables[i] >= 0 && tables[i] < k.size(0), "a block table names a block outside the cache");
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
   switch (q.size(2)) {  // the common head sizes get a loop the compiler can unroll

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import sys
 import warnings
@@ -25,18 +26,40 @@ SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math lets the compiler vectorise the dot products
 
 DecodeKernel = Callable[..., torch.Tensor]  # (q, k, v, block_tables, context_lens, scale) -> out
+_build_error: Exception | None = None  # why the build failed in this process, if it did
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native compiles for: a cache shared with another CPU must not load this build."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}".encode()
+
+
+def load_decode_kernel() -> DecodeKernel:
+    """The compiled kernel; raises if it cannot be built, and at once on later calls: a failing build is tried once."""
+    global _build_error
+    if _build_error is None:
+        try:
+            return _build()
+        except Exception as error:
+            _build_error = error
+    raise _build_error
 
 
 @functools.cache
-def load_decode_kernel() -> DecodeKernel:
-    """Compile (once per machine) and import the kernel; raises if the build fails."""
+def _build() -> DecodeKernel:
+    """Compile (once per machine: the result is cached on disk) and import the kernel."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
-    name = f"milestones_decode_attention_{digest}"  # a changed source or flag builds anew
-    if not (Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so").exists():
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_identity()).hexdigest()[:12]
+    name = f"milestones_decode_attention_{digest}"  # a changed source, flag or CPU builds anew
+    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    if not any(build_dir.glob(f"*/{name}/{name}.so")) and not (build_dir / name / f"{name}.so").exists():
         print("building the C++ decode-attention kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
     module = cpp_extension.load_inline(  # inline: the copies in m2, m3, ... share one build
         name=name,
@@ -54,6 +77,8 @@ def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) ->
     ``"auto"`` falls back to torch with a warning when the kernel cannot be built
     (no compiler, say); ``"cpp"`` turns that into an error.
     """
+    if backend not in ("auto", "torch", "cpp"):
+        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cpp', got {backend!r}")
     if backend == "torch" or device.type != "cpu" or dtype != torch.float32:
         return None  # config.resolve already refused "cpp" for anything but CPU float32
     try:

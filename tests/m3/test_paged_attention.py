@@ -57,6 +57,7 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
             all_tables += table
         row += n
     ctx = AttentionContext(k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables, dtype=torch.long), spans)
+    assert decodes or not use_kernel, "the kernel case must have decodes to send to the kernel"
     if decodes:
         width = max(len(table) for _, table, _ in decodes)
         tables = torch.tensor([table + [0] * (width - len(table)) for _, table, _ in decodes])

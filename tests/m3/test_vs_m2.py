@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from milestones import m2, m3
+from tests.conftest import needs_compiler
 from tests.m2.test_vs_m1 import mixed_workload, run
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
@@ -37,6 +38,18 @@ def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, referen
     assert usage["num_preemptions"] >= 10, usage
     assert usage["blocks_free"] == num_blocks
     llm.engine.scheduler.blocks.check_integrity()
+
+
+@needs_compiler
+def test_m3_with_the_compiled_kernel_matches_m2(tiny_model_path, workload, reference):
+    """Decodes read their blocks in place through padded block tables, under preemption and an odd block size."""
+    llm = m3.LLM(tiny_model_path, block_size=7, num_kv_blocks=25, attention_backend="cpp", **LIMITS)
+    runner, calls = llm.engine.runner, []
+    kernel = runner.decode_kernel
+    runner.decode_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
+    assert run(m3, llm, *workload) == reference
+    assert llm.engine.kv_usage()["num_preemptions"] >= 10
+    assert len(calls) > 100 and max(calls) > 1, "the decodes did not go to the kernel"
 
 
 def test_m3_with_plain_torch_attention_matches_m2(tiny_model_path, workload, reference):
