@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .config import ATTENTION_BACKENDS
+
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math lets the compiler vectorise the dot products
 
@@ -77,8 +79,8 @@ def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) ->
     ``"auto"`` falls back to torch with a warning when the kernel cannot be built
     (no compiler, say); ``"cpp"`` turns that into an error.
     """
-    if backend not in ("auto", "torch", "cpp"):
-        raise ValueError(f"attention_backend must be 'auto', 'torch' or 'cpp', got {backend!r}")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch" or device.type != "cpu" or dtype != torch.float32:
         return None  # config.resolve already refused "cpp" for anything but CPU float32
     try:
