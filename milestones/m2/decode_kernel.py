@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from .config import ATTENTION_BACKENDS
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math lets the compiler vectorise the dot products
 
+STALE_LOCK_SECONDS = 300  # a build takes ~30 s: a lock this old was left by a process killed mid-build
 DecodeKernel = Callable[..., torch.Tensor]  # (q, k, v, block_tables, context_lens, scale) -> out
 _build_error: Exception | None = None  # why the build failed in this process, if it did
 
@@ -60,8 +62,11 @@ def _build() -> DecodeKernel:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_identity()).hexdigest()[:12]
     name = f"milestones_decode_attention_{digest}"  # a changed source, flag or CPU builds anew
-    build_dir = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    if not any(build_dir.glob(f"*/{name}/{name}.so")) and not (build_dir / name / f"{name}.so").exists():
+    build_root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    folders = [build_root / name, *build_root.glob(f"*/{name}")]  # torch adds a py311_cpu-like level by default
+    for folder in folders:
+        wait_for_build_lock(folder / "lock")
+    if not any((folder / f"{name}.so").exists() for folder in folders):
         print("building the C++ decode-attention kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
     module = cpp_extension.load_inline(  # inline: the copies in m2, m3, ... share one build
         name=name,
@@ -71,6 +76,24 @@ def _build() -> DecodeKernel:
         verbose=False,
     )
     return module.decode_attention
+
+
+def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> None:
+    """torch waits forever on a build's lock file; wait here instead, and remove one that a killed build left."""
+    announced = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return  # no build under way, or the other build finished
+        if age >= max_age:
+            warnings.warn(f"removing {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=2)
+            lock.unlink(missing_ok=True)
+            return
+        if not announced:
+            print(f"waiting for another process's kernel build ({lock}) ...", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(poll)
 
 
 def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+import time
+import warnings
 
 import pytest
 import torch
@@ -83,3 +87,29 @@ def test_backend_option_is_checked(tiny_model_path):
         m2.LLM(tiny_model_path, device="cpu", attention_backend="flash")
     with pytest.raises(ValueError, match="CPU in float32 only"):
         m2.LLM(tiny_model_path, device="cpu", dtype="bfloat16", attention_backend="cpp")
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    long_ago = time.time() - decode_kernel.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (long_ago, long_ago))
+    with pytest.warns(UserWarning, match="did not finish"):
+        decode_kernel.wait_for_build_lock(lock)
+    assert not lock.exists()
+
+
+def test_a_build_under_way_is_waited_for_and_a_hung_one_removed_in_time(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # another process finishing its build
+    start = time.monotonic()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its lock is left alone
+        decode_kernel.wait_for_build_lock(lock, poll=0.02)
+    assert time.monotonic() - start >= 0.25
+
+    lock.touch()  # a build that never finishes
+    with pytest.warns(UserWarning, match="did not finish"):
+        decode_kernel.wait_for_build_lock(lock, max_age=0.3, poll=0.02)
+    assert not lock.exists()
