@@ -28,7 +28,7 @@ from .config import ATTENTION_BACKENDS
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math lets the compiler vectorise the dot products
 
-STALE_LOCK_SECONDS = 300  # a build takes ~30 s: a lock this old was left by a process killed mid-build
+STALE_LOCK_SECONDS = 300  # a build takes ~30 s: a lock this old is taken to be left by a process killed mid-build
 DecodeKernel = Callable[..., torch.Tensor]  # (q, k, v, block_tables, context_lens, scale) -> out
 _build_error: Exception | None = None  # why the build failed in this process, if it did
 
@@ -62,38 +62,52 @@ def _build() -> DecodeKernel:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_identity()).hexdigest()[:12]
     name = f"milestones_decode_attention_{digest}"  # a changed source, flag or CPU builds anew
-    build_root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    folders = [build_root / name, *build_root.glob(f"*/{name}")]  # torch adds a py311_cpu-like level by default
-    for folder in folders:
-        wait_for_build_lock(folder / "lock")
-    if not any((folder / f"{name}.so").exists() for folder in folders):
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # where torch builds and locks
+    wait_for_build_lock(build_dir / "lock")
+    if not (build_dir / f"{name}.so").exists():
         print("building the C++ decode-attention kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
     module = cpp_extension.load_inline(  # inline: the copies in m2, m3, ... share one build
         name=name,
         cpp_sources=[SOURCE.read_text()],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],  # the same libgomp torch already loaded
+        build_directory=str(build_dir),
         verbose=False,
     )
     return module.decode_attention
 
 
 def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> None:
-    """torch waits forever on a build's lock file; wait here instead, and remove one that a killed build left."""
+    """torch waits forever on a build's lock file; wait here instead, and remove one older than ``max_age``.
+
+    torch never touches the lock while it builds, so its age is the time since
+    the build started: a build slower than ``max_age`` would be taken for dead.
+    """
     announced = False
     while True:
         try:
-            age = time.time() - lock.stat().st_mtime
+            seen = lock.stat()
         except FileNotFoundError:
             return  # no build under way, or the other build finished
+        age = time.time() - seen.st_mtime
         if age >= max_age:
-            warnings.warn(f"removing {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=2)
-            lock.unlink(missing_ok=True)
+            _remove_if_unchanged(lock, seen)
+            warnings.warn(f"removed {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=1)
             return
         if not announced:
             print(f"waiting for another process's kernel build ({lock}) ...", file=sys.stderr, flush=True)
             announced = True
         time.sleep(poll)
+
+
+def _remove_if_unchanged(lock: Path, seen: os.stat_result) -> None:
+    """Remove the stale lock, unless another process has already replaced it with its own."""
+    try:
+        now = lock.stat()
+        if (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns):
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:

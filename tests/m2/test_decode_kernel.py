@@ -6,7 +6,9 @@ import os
 import random
 import threading
 import time
+import types
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,17 +101,43 @@ def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
     assert not lock.exists()
 
 
-def test_a_build_under_way_is_waited_for_and_a_hung_one_removed_in_time(tmp_path):
+def test_a_build_under_way_is_waited_for_and_a_hung_one_removed_after_max_age(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
-    threading.Timer(0.3, lock.unlink).start()  # another process finishing its build
+    other_build = threading.Timer(0.3, lock.unlink)  # another process finishing its build
+    other_build.start()
     start = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # its lock is left alone
         decode_kernel.wait_for_build_lock(lock, poll=0.02)
+    other_build.join()
     assert time.monotonic() - start >= 0.25
 
     lock.touch()  # a build that never finishes
+    start = time.monotonic()
     with pytest.warns(UserWarning, match="did not finish"):
         decode_kernel.wait_for_build_lock(lock, max_age=0.3, poll=0.02)
-    assert not lock.exists()
+    assert not lock.exists() and time.monotonic() - start >= 0.25
+
+
+def test_the_build_waits_on_the_lock_torch_takes(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    build_dirs = []
+
+    def load_inline(name, build_directory, **kwargs):  # stands in for the compiler
+        assert build_directory == cpp_extension._get_build_directory(name, verbose=False)
+        assert not os.path.exists(os.path.join(build_directory, "lock")), "torch would wait on this lock forever"
+        build_dirs.append(build_directory)
+        return types.SimpleNamespace(decode_attention="the kernel")
+
+    monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
+    assert decode_kernel._build.__wrapped__() == "the kernel"  # __wrapped__: past the per-process cache
+    lock = Path(build_dirs[0]) / "lock"
+    assert lock.parent.parent == tmp_path
+    lock.touch()  # left by a build that was killed long ago
+    long_ago = time.time() - decode_kernel.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (long_ago, long_ago))
+    with pytest.warns(UserWarning, match="did not finish"):
+        assert decode_kernel._build.__wrapped__() == "the kernel"
