@@ -91,8 +91,8 @@ def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: f
             return  # no build under way, or the other build finished
         age = time.time() - seen.st_mtime
         if age >= max_age:
-            _remove_if_unchanged(lock, seen)
-            warnings.warn(f"removed {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=1)
+            if _remove_if_unchanged(lock, seen):
+                warnings.warn(f"removed {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=1)
             return
         if not announced:
             print(f"waiting for another process's kernel build ({lock}) ...", file=sys.stderr, flush=True)
@@ -100,14 +100,16 @@ def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: f
         time.sleep(poll)
 
 
-def _remove_if_unchanged(lock: Path, seen: os.stat_result) -> None:
-    """Remove the stale lock, unless another process has already replaced it with its own."""
+def _remove_if_unchanged(lock: Path, seen: os.stat_result) -> bool:
+    """Remove the stale lock, unless another process has already removed or replaced it."""
     try:
         now = lock.stat()
-        if (now.st_ino, now.st_mtime_ns) == (seen.st_ino, seen.st_mtime_ns):
-            lock.unlink()
+        if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+            return False
+        lock.unlink()
+        return True
     except FileNotFoundError:
-        pass
+        return False
 
 
 def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:

@@ -141,3 +141,14 @@ def test_the_build_waits_on_the_lock_torch_takes(monkeypatch, tmp_path):
     os.utime(lock, (long_ago, long_ago))
     with pytest.warns(UserWarning, match="did not finish"):
         assert decode_kernel._build.__wrapped__() == "the kernel"
+
+
+def test_a_stale_lock_replaced_by_a_new_build_is_left_alone(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    stale = lock.stat()
+    lock.unlink()  # another process removed the stale lock ...
+    lock.touch()  # ... and started its own build
+    os.utime(lock, ns=(stale.st_mtime_ns + 10**9, stale.st_mtime_ns + 10**9))
+    assert not decode_kernel._remove_if_unchanged(lock, stale)
+    assert lock.exists()
