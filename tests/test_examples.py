@@ -73,6 +73,29 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_benchmark_mixed_runs_report_the_median_pass(tiny_model_path, tmp_path):
+    """--mixed-runs: every pass is kept, the row is the median pass, and mixed rows carry their ratio to hf-static."""
+    out = tmp_path / "bench.json"
+    stdout = run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+                        "--engines", "m2,hf-static", "--workloads", "mixed", "--mixed-runs", "3", "--num-requests", "4",
+                        "--prompt-len-range", "8,24", "--output-len-range", "4,12", "--hf-batch-size", "2", "--out", str(out)).stdout
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+    for row in rows.values():
+        assert row["status"] == "ok", row["error"]
+        speeds = [run["tokens_per_s"] for run in row["runs"]]
+        assert len(speeds) == 3 and row["output_tokens_per_s"] == sorted(speeds)[1]
+        assert row["runs_same_tokens"] is True  # greedy passes over the same requests agree
+    m2, hf = rows["m2"], rows["hf-static-2"]
+    assert m2["ratio_to_hf_engine"] == "hf-static-2" and "ratio_to_hf" not in hf
+    assert m2["ratio_to_hf"] == pytest.approx(m2["output_tokens_per_s"] / hf["output_tokens_per_s"])
+    assert stdout.count("run 3/3:") == 2
+
+
+def test_benchmark_rejects_zero_runs(tiny_model_path):
+    proc = subprocess.run([sys.executable, "examples/benchmark.py", "--mixed-runs", "0"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--mixed-runs must be >= 1" in proc.stderr
+
+
 def tiny_args(tiny_model_path, *extra: str) -> list[str]:
     return ["--model", str(tiny_model_path), "--device", "cpu", "--threads", "1", *extra]
 
