@@ -37,8 +37,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     if q.shape[0] == 1:
         return decode_attention(q, keys, values)
     # Prefill: the prompt's n tokens fill rows 0..n-1, and token i may see tokens 0..i.
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, is_causal=True, enable_gqa=True)
-    return out.transpose(0, 1)
+    # A batch dimension of one: on a CPU only 4-D inputs reach torch's flash-attention
+    # kernel (as in transformers); 3-D ones take the math path, 1.4-3x slower.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None], is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1)
 # --8<-- [end:attention]
 
 
