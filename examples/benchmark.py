@@ -23,8 +23,11 @@ Workloads
 Rows
   mK              milestone K through its engine API (add every request, then step() until
                   done), peak and reserved KV bytes from ``engine.kv_usage()``.
-                  mK@torch / mK@cpp (m2 on): the same with that attention_backend, to see what
-                  the compiled decode kernel buys; plain mK uses the default ("auto").
+                  mK@OPTION[+OPTION] (m2 on): the same with CPU fast paths chosen, to see what
+                  each buys; plain mK uses the defaults ("auto" for both). Options: torch / cpp
+                  (attention_backend: plain-torch or compiled decode attention), linear-torch /
+                  linear-onednn (linear_backend: F.linear or weights packed for oneDNN).
+                  m2@torch+linear-torch is m2 with neither.
                   m1 runs requests one at a time; on the mixed workload it runs only the first
                   --m1-requests of them (output tokens/s stays comparable, the totals do not).
   hf-generate     (decode) transformers ``model.generate``, greedy, min_new_tokens = max_new_tokens.
@@ -58,7 +61,10 @@ from _common import REPO_ROOT, HelpFormatter, text_token_ids
 
 DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
 HF_ENGINES = ("hf-generate", "hf-static", "hf-continuous")
-ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # m2@torch: m2 with attention_backend="torch"
+ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
+    "auto": ("attention_backend", "auto"), "torch": ("attention_backend", "torch"), "cpp": ("attention_backend", "cpp"),
+    "linear-auto": ("linear_backend", "auto"), "linear-torch": ("linear_backend", "torch"), "linear-onednn": ("linear_backend", "onednn"),
+}
 WORKLOADS = ("decode", "mixed", "shared")
 HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # the same budget as m2's defaults
 MB = 1024 * 1024
@@ -141,10 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in names:
         expanded = [*MILESTONES, *HF_ENGINES] if name == "all" else HF_ENGINES if name == "hf" else [name]
         for e in expanded:
-            milestone, _, backend = e.partition("@")
-            if e not in HF_ENGINES and (milestone not in MILESTONES or ("@" in e and backend not in ATTENTION_BACKENDS)):
-                p.error(f"unknown engine {e!r}; choose from {', '.join([*MILESTONES, 'hf', *HF_ENGINES])}, "
-                        f"a milestone may name its attention backend: m2@torch, m2@cpp")
+            milestone, _, options = e.partition("@")
+            if e not in HF_ENGINES and (milestone not in MILESTONES or ("@" in e and not set(options.split("+")) <= set(ROW_OPTIONS))):
+                p.error(f"unknown engine {e!r}; choose from {', '.join([*MILESTONES, 'hf', *HF_ENGINES])}; a milestone may "
+                        f"take options after '@', joined by '+' ({', '.join(ROW_OPTIONS)}), e.g. m2@torch+linear-torch")
             if e not in engines:
                 engines.append(e)
     args.milestones = [e for e in engines if e not in HF_ENGINES]
@@ -370,20 +376,22 @@ def mixed_passes(name, mod, llm, new_llm, requests, args, workload: str) -> dict
 def run_milestone(name, args, model, device, dtype, max_model_len, decode_prompt, requests, shared, kv_bytes_per_token) -> list[dict]:
     rows = []
     try:
-        milestone, _, backend = name.partition("@")
+        milestone, _, options = name.partition("@")
         mod = importlib.import_module(f"milestones.{milestone}")
         kwargs = engine_kwargs(mod, args, max_model_len, kv_bytes_per_token)
-        if backend:
-            if "attention_backend" not in {f.name for f in dataclasses.fields(mod.EngineConfig)}:
-                raise ValueError(f"{milestone} has no attention_backend option")
-            kwargs["attention_backend"] = backend
+        for option in filter(None, options.split("+")):
+            field, value = ROW_OPTIONS[option]
+            if field not in {f.name for f in dataclasses.fields(mod.EngineConfig)}:
+                raise ValueError(f"{milestone} has no {field} option")
+            kwargs[field] = value
         t0 = time.perf_counter()
         llm = mod.LLM(model, device=device, dtype=dtype, **kwargs)
         load_s = time.perf_counter() - t0
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
         return [_error_row(w, name, "milestone", err) for w in args.workloads]
     extra = {"engine_kwargs": kwargs, "engine_config": _config_dict(llm.engine.config), "load_s": load_s,
-             "decode_kernel": getattr(llm.engine.runner, "decode_kernel", None) is not None}
+             "decode_kernel": getattr(llm.engine.runner, "decode_kernel", None) is not None,
+             "packed_linear": getattr(llm.engine.runner, "packed_linear", False)}
     for workload in args.workloads:
         print(f"- {name}: {workload} ...", flush=True)
         try:

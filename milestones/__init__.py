@@ -11,7 +11,8 @@ MILESTONES = ["m1", "m2", "m3", "m4"]
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
     # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
-    "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "decode_kernel.py", "decode_attention.cpp"},
+    "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "decode_kernel.py", "decode_attention.cpp",
+           "packed_linear.py"},
     # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py", "engine.py"},
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting

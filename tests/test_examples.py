@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from milestones import MILESTONES
+from milestones.m2.packed_linear import onednn_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,6 +102,22 @@ def test_benchmark_passes_do_not_share_a_prefix_cache(tiny_model_path, tmp_path)
     (row,) = json.loads(out.read_text())["results"]
     computed = [run["prompt_tokens_computed"] for run in row["runs"]]
     assert computed[0] == computed[1] < row["prompt_tokens"], computed  # the shared prefix is reused within a pass only
+
+
+def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
+    """mK@OPTION+OPTION: each row runs with the engine options it names, and says which fast paths it used."""
+    out = tmp_path / "bench.json"
+    run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+               "--engines", "m2,m2@torch+linear-torch,m3@linear-torch", "--workloads", "mixed", "--num-requests", "3",
+               "--prompt-len-range", "8,24", "--output-len-range", "4,8", "--out", str(out))
+    rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
+    plain, m3 = rows["m2@torch+linear-torch"], rows["m3@linear-torch"]
+    assert plain["engine_config"]["attention_backend"] == "torch" and plain["engine_config"]["linear_backend"] == "torch"
+    assert not plain["decode_kernel"] and not plain["packed_linear"] and not m3["packed_linear"]
+    assert rows["m2"]["engine_config"]["linear_backend"] == "auto" and rows["m2"]["packed_linear"] is onednn_available()
+    proc = subprocess.run([sys.executable, "examples/benchmark.py", "--engines", "m2@torch+fast"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown engine 'm2@torch+fast'" in proc.stderr
 
 
 def test_median_run_picks_the_middle_pass():

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 DEFAULT_MAX_MODEL_LEN = 2048  # each request's KV slot is this long, so keep the default modest
 ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # auto: weights packed for oneDNN on a CPU in float32, else torch
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests running at once (each owns a KV slot of max_model_len)
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
     attention_backend: str = "auto"  # decode attention: "torch" (the reference), "cpp" (compiled, CPU float32), "auto"
+    linear_backend: str = "auto"  # linear layers: "torch" (F.linear, the reference), "onednn" (packed weights, CPU float32), "auto"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
@@ -47,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
             raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
-        return EngineConfig(
-            self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens, self.attention_backend
-        )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.linear_backend == "onednn" and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(f"linear_backend='onednn' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
+        return replace(self, device=device, dtype=dtype, max_model_len=max_len)

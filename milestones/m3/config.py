@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 DEFAULT_MAX_MODEL_LEN = 2048
 ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # auto: weights packed for oneDNN on a CPU in float32, else torch
 
 
 @dataclass(slots=True)
@@ -20,6 +21,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
     attention_backend: str = "auto"  # decode attention: "torch" (the reference), "cpp" (compiled, CPU float32), "auto"
+    linear_backend: str = "auto"  # linear layers: "torch" (F.linear, the reference), "onednn" (packed weights, CPU float32), "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
@@ -54,7 +56,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.attention_backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
             raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
-        return EngineConfig(
-            self.model, device, dtype, max_len, self.seed, self.max_num_seqs, self.max_num_batched_tokens, self.attention_backend,
-            self.block_size, self.num_kv_blocks, self.kv_cache_memory_bytes,
-        )
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        if self.linear_backend == "onednn" and (device.type != "cpu" or dtype != torch.float32):
+            raise ValueError(f"linear_backend='onednn' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
+        return replace(self, device=device, dtype=dtype, max_model_len=max_len)

@@ -15,6 +15,7 @@ from .attention import AttentionContext, KernelBatch
 from .config import EngineConfig
 from .decode_kernel import decode_kernel_for
 from .model import CausalLM, ModelConfig
+from .packed_linear import pack_linear_layers, use_packed_linear
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 
@@ -34,6 +35,9 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
+        self.packed_linear = use_packed_linear(config.linear_backend, config.device, config.dtype)
+        # The LM head, for the rows that sample: the packed copy's logits are fp32 already (it runs in fp32 only).
+        self.compute_logits = pack_linear_layers(self.model) if self.packed_linear else self.model.compute_logits
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -76,7 +80,7 @@ class ModelRunner:
             padded = [table + [0] * (width - len(table)) for table in kernel_tables]
             ctx.kernel_batch = KernelBatch(self.decode_kernel, *map(self._tensor, (kernel_rows, padded, kernel_lens)))
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
-        tokens = iter(self.sampler(self.model.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
+        tokens = iter(self.sampler(self.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
         done = {seq.request_id for seq in sampled}
         return [next(tokens) if seq.request_id in done else None for seq in batch.seqs]
     # --8<-- [end:execute]

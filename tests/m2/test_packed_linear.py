@@ -1,0 +1,78 @@
+"""Linear layers packed for oneDNN against plain F.linear, and the linear_backend switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from milestones import m2
+from milestones.m2 import packed_linear
+from milestones.m2.packed_linear import PackedLinear
+from tests.m2.test_vs_m1 import mixed_workload, run
+
+CPU = torch.device("cpu")
+needs_onednn = pytest.mark.skipif(not packed_linear.onednn_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 192, bias=bias)
+    x = torch.randn(rows, 576)
+    expected = F.linear(x, linear.weight, linear.bias)
+    # The same products summed in oneDNN's order: equal up to float32 rounding, not bit for bit.
+    torch.testing.assert_close(PackedLinear(linear)(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_packing_swaps_every_decoder_linear_and_keeps_the_head(tiny_model_path):
+    llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="onednn")
+    model = llm.engine.runner.model
+    assert not any(isinstance(m, nn.Linear) for m in model.model.modules()), "an unpacked linear layer is left"
+    assert sum(isinstance(m, PackedLinear) for m in model.model.modules()) == 7 * model.config.num_layers
+    head = llm.engine.runner.compute_logits
+    assert isinstance(head, PackedLinear) and isinstance(model.lm_head, nn.Linear)
+    hidden = torch.randn(5, model.config.hidden_size)
+    torch.testing.assert_close(head(hidden), model.compute_logits(hidden), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: q/k/v projections with a bias
+def test_the_backends_give_the_same_tokens(tiny_model_factory, kind):
+    path = tiny_model_factory(kind)
+    prompts, settings = mixed_workload(12, seed=11, max_prompt=90, max_output=40)
+    limits = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    reference = run(m2, m2.LLM(path, linear_backend="torch", **limits), prompts, settings)
+    llm = m2.LLM(path, linear_backend="onednn", **limits)
+    assert isinstance(llm.engine.runner.compute_logits, PackedLinear)
+    assert run(m2, llm, prompts, settings) == reference
+
+
+def test_auto_packs_only_on_a_cpu_in_float32(monkeypatch):
+    monkeypatch.setattr(packed_linear, "onednn_available", lambda: True)
+    assert packed_linear.use_packed_linear("auto", CPU, torch.float32)
+    assert not packed_linear.use_packed_linear("auto", CPU, torch.bfloat16)
+    assert not packed_linear.use_packed_linear("auto", torch.device("cuda"), torch.float32)
+    assert not packed_linear.use_packed_linear("torch", CPU, torch.float32)
+
+
+def test_auto_falls_back_to_f_linear_without_onednn(monkeypatch, tiny_model_path):
+    monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
+    with pytest.raises(RuntimeError, match="linear_backend='torch'"):
+        packed_linear.use_packed_linear("onednn", CPU, torch.float32)
+    with pytest.warns(UserWarning, match="plain F.linear"):
+        llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="auto")
+    assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
+    out = llm.generate([[5, 6, 7]], m2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_linear_backend_option_is_checked(tiny_model_path):
+    with pytest.raises(ValueError, match="linear_backend must be one of"):
+        m2.LLM(tiny_model_path, device="cpu", linear_backend="mkl")
+    with pytest.raises(ValueError, match="CPU in float32 only"):
+        m2.LLM(tiny_model_path, device="cpu", dtype="bfloat16", linear_backend="onednn")
