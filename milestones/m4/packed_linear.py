@@ -12,8 +12,10 @@ same way.
 Measured on the reference 2-core CPU with SmolLM2's 30 layers of weights, each
 read cold as in a real step (two threads): 1.3-1.5x the speed of ``F.linear`` at
 64-256 rows and 1.8-2.4x at 1-8 rows; one packed LM head call is 1.8x the sliced
-``F.linear`` at 64 rows. The arithmetic is the same, but oneDNN sums in its own order, so
-results differ from ``F.linear``'s in the last bits (about 1e-6 relative).
+``F.linear`` at 64 rows. How much of that comes from skipping the copy and how
+much from oneDNN's own kernels was not taken apart. The arithmetic is the same,
+but oneDNN sums in its own order, so results differ from ``F.linear``'s in the
+last bits (about 1e-6 relative).
 """
 
 from __future__ import annotations
