@@ -148,9 +148,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         expanded = [*MILESTONES, *HF_ENGINES] if name == "all" else HF_ENGINES if name == "hf" else [name]
         for e in expanded:
             milestone, _, options = e.partition("@")
-            if e not in HF_ENGINES and (milestone not in MILESTONES or ("@" in e and not set(options.split("+")) <= set(ROW_OPTIONS))):
+            chosen = options.split("+") if "@" in e else []
+            if e not in HF_ENGINES and (milestone not in MILESTONES or not set(chosen) <= set(ROW_OPTIONS)):
                 p.error(f"unknown engine {e!r}; choose from {', '.join([*MILESTONES, 'hf', *HF_ENGINES])}; a milestone may "
                         f"take options after '@', joined by '+' ({', '.join(ROW_OPTIONS)}), e.g. m2@torch+linear-torch")
+            fields = [ROW_OPTIONS[option][0] for option in chosen]
+            if len(set(fields)) < len(fields):
+                p.error(f"engine {e!r} sets one option twice; name at most one value each for {', '.join(sorted(set(fields)))}")
             if e not in engines:
                 engines.append(e)
     args.milestones = [e for e in engines if e not in HF_ENGINES]

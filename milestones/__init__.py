@@ -10,7 +10,8 @@ MILESTONES = ["m1", "m2", "m3", "m4"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
-    # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
+    # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request;
+    # and two CPU fast paths behind switches: a compiled decode kernel, linear layers packed for oneDNN
     "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "decode_kernel.py", "decode_attention.cpp",
            "packed_linear.py"},
     # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks

@@ -118,6 +118,9 @@ def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
     proc = subprocess.run([sys.executable, "examples/benchmark.py", "--engines", "m2@torch+fast"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown engine 'm2@torch+fast'" in proc.stderr
+    proc = subprocess.run([sys.executable, "examples/benchmark.py", "--engines", "m2@torch+cpp"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "sets one option twice" in proc.stderr
 
 
 def test_median_run_picks_the_middle_pass():

@@ -15,7 +15,9 @@ read cold as in a real step (two threads): 1.3-1.5x the speed of ``F.linear`` at
 ``F.linear`` at 64 rows. How much of that comes from skipping the copy and how
 much from oneDNN's own kernels was not taken apart. The arithmetic is the same,
 but oneDNN sums in its own order, so results differ from ``F.linear``'s in the
-last bits (about 1e-6 relative).
+last bits (about 1e-6 relative). The packed head is a second copy of the LM head
+(the embedding keeps the original), and it replaces the model's transposed copy
+for one or two rows; the decoder's packed weights replace the originals.
 """
 
 from __future__ import annotations
@@ -75,6 +77,6 @@ def use_packed_linear(backend: str, device: torch.device, dtype: torch.dtype) ->
     if onednn_available():
         return True
     if backend == "onednn":
-        raise RuntimeError("this torch build has no oneDNN (torch.backends.mkldnn); use linear_backend='torch'")
-    warnings.warn("oneDNN is not available in this torch build; linear layers use plain F.linear", stacklevel=2)
+        raise RuntimeError("this torch build lacks oneDNN's packed linear ops (torch.ops.mkldnn); use linear_backend='torch'")
+    warnings.warn("this torch build lacks oneDNN's packed linear ops; linear layers use plain F.linear", stacklevel=2)
     return False
