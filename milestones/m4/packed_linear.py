@@ -60,7 +60,8 @@ def pack_linear_layers(model: nn.Module) -> PackedLinear:
 
 def onednn_available() -> bool:
     """Whether this torch build carries oneDNN's packed linear ops (x86 builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ops = ("_reorder_linear_weight", "_linear_pointwise")
+    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
 
 
 def use_packed_linear(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
