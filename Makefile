@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 docs docs-serve bench lint clean
+.PHONY: setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 docs docs-serve bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,18 @@ docs-serve: $(STAMP)
 
 bench: model
 	$(PY) examples/benchmark.py
+
+# On a GPU machine, with that machine's own python3 (a CUDA torch, transformers, pytest): no venv, no
+# package registry, no bundled model (a seeded random model of its exact shape runs at the same speed).
+GPU_PYTHON ?= python3
+GPU_MODEL ?= /tmp/milestones-smollm2-135m-random
+GPU_RESULTS := docs/assets/benchmarks/gpu
+gpu-check:
+	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m pytest -m cuda tests/cuda -v -rA -s
+	test -f $(GPU_MODEL)/model.safetensors || $(GPU_PYTHON) -m tests.checkpoints smollm2-135m $(GPU_MODEL)
+	$(GPU_PYTHON) examples/benchmark.py --model $(GPU_MODEL) --device cuda --engines all --workloads decode,mixed \
+		--out $(GPU_RESULTS)/benchmark.json --plot
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check milestones tests examples

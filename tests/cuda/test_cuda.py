@@ -1,0 +1,95 @@
+"""The CUDA path: the correctness chain again, on the GPU (skipped without one; `make gpu-check` runs it).
+
+m1 against transformers' ``generate`` on the same GPU, then every milestone against the one
+before, in float32 and in bfloat16 (CUDA's default), on the tiny checkpoints and on a seeded
+random model of SmolLM2-135M's exact shape. Prints the largest logit differences it saw, so
+a GPU run leaves a record of how close the two implementations are.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from milestones import m1, m2, m3, m4
+from tests.m1.test_vs_transformers import RecordingSampler, hf_generate, varied_prompts
+from tests.m2.test_vs_m1 import mixed_workload, run
+from tests.m4.test_vs_m3 import shared_prefix_workload
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# fp32 on the GPU: other kernels, other summation orders than transformers' (CPU: 1e-4).
+# bf16: 8 bits of mantissa, so a logit of magnitude ~100 is only known to within ~0.4 after its last rounding.
+LOGIT_ATOL = {"float32": 1e-3, "bfloat16": 1.0}
+
+
+@pytest.fixture(autouse=True)
+def exact_float32_matmuls():
+    """TF32 would round fp32 products to 10 bits of mantissa; keep fp32 meaning fp32 in these tests."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "qwen3", "smollm2-135m"])
+def test_m1_matches_transformers_on_cuda(tiny_model_factory, kind, dtype):
+    path = tiny_model_factory(kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to("cuda").eval()
+    llm = m1.LLM(path, device="cuda", dtype=dtype, max_model_len=512)
+    recorder = llm.engine.runner.sampler = RecordingSampler(llm.engine.runner.sampler)
+    worst = 0.0
+    for prompt in varied_prompts(8):
+        recorder.logits.clear()
+        ours = llm.generate(prompt, m1.SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+        out = hf.generate(
+            torch.tensor([prompt], device="cuda"), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+            max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True,
+        )
+        ref_tokens, ref_logits = out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].float()
+        assert ours.token_ids == ref_tokens, f"{kind} {dtype}, prompt of {len(prompt)} tokens"
+        our_logits = torch.cat(recorder.logits).float()
+        worst = max(worst, (our_logits - ref_logits).abs().max().item())
+        torch.testing.assert_close(our_logits, ref_logits, atol=LOGIT_ATOL[dtype], rtol=0)
+    print(f"\n{kind} {dtype}: largest logit difference to transformers {worst:.2e}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm2-135m"])
+def test_the_chain_holds_on_cuda(tiny_model_factory, kind, dtype):
+    """m2 == m1 (queueing, chunked prefill), m3 == m2 (a pool small enough to preempt), m4 == m3 (prefix hits)."""
+    path = tiny_model_factory(kind)
+    limits = dict(device="cuda", dtype=dtype, max_model_len=256)
+    batching = dict(max_num_seqs=5, max_num_batched_tokens=24)
+    prompts, settings = mixed_workload(16, seed=3, max_prompt=120, max_output=40)
+    reference = run(m1, m1.LLM(path, **limits), prompts, settings)
+    assert run(m2, m2.LLM(path, **limits, **batching), prompts, settings) == reference
+    paged = m3.LLM(path, **limits, **batching, block_size=4, num_kv_blocks=60)
+    assert run(m3, paged, prompts, settings) == reference
+    assert paged.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for every request at once"
+    shared_prompts, shared_settings = shared_prefix_workload(10, prefix_len=70, seed=1)
+    shared_reference = run(m3, m3.LLM(path, **limits, **batching), shared_prompts, shared_settings)
+    cached = m4.LLM(path, **limits, **batching)
+    assert run(m4, cached, shared_prompts, shared_settings) == shared_reference
+    assert cached.engine.kv_usage()["prefix_hit_rate"] > 0.5
+    cached.engine.scheduler.check_integrity()
+
+
+def test_cuda_and_cpu_agree_in_float32(tiny_model_path):
+    prompts, settings = mixed_workload(12, seed=7, max_prompt=100, max_output=32)
+    greedy = [dict(s, temperature=0) for s in settings]
+    on_cpu = run(m4, m4.LLM(tiny_model_path, device="cpu", max_model_len=256, max_num_seqs=4), prompts, greedy)
+    on_gpu = run(m4, m4.LLM(tiny_model_path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4), prompts, greedy)
+    assert on_gpu == on_cpu
+
+
+def test_defaults_on_a_gpu_are_cuda_bfloat16_without_cpu_fast_paths(tiny_model_path, mod):
+    llm = mod.LLM(tiny_model_path, max_model_len=128)
+    config, runner = llm.engine.config, llm.engine.runner
+    assert config.device.type == "cuda" and config.dtype == torch.bfloat16
+    assert getattr(runner, "decode_kernel", None) is None and not getattr(runner, "packed_linear", False)
+    out = llm.generate(["Hello there"], mod.SamplingParams(temperature=0.8, seed=5, max_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
