@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from milestones.kernels import check_linear_backend
 
 
 @dataclass(slots=True)
@@ -14,6 +16,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None  # longest prompt + output; None: the model's own limit
     seed: int = 0  # seeds the requests that bring no seed of their own
+    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed weights, CPU fp32; "auto"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
@@ -29,5 +32,8 @@ class EngineConfig:
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         max_len = model_max_len if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
-            raise ValueError(f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}")
-        return EngineConfig(self.model, device, dtype, max_len, self.seed)
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
+            )
+        check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
+        return replace(self, device=device, dtype=dtype, max_model_len=max_len)

@@ -20,7 +20,6 @@ from torch import nn
 from .attention import AttentionContext, attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-LM_HEAD_SLICE = 1024  # vocabulary rows per F.linear call when computing logits for a batch
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,8 +128,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of this step's positions, [T, 1, head_dim] (shared by all heads).
 
-        Looked up once per forward pass and handed to every layer: looking them up
-        in every layer cost 3 to 5% of a 64-row decode step on a CPU.
+        Looked up once per forward pass and handed to every layer: a lookup per layer
+        costs a measurable share of a CPU decode step (see the benchmarks page).
         """
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
@@ -217,14 +216,15 @@ class CausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        self.lm_head_t: torch.Tensor | None = None  # [hidden, vocab] copy of the head, made on first use
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_pretrained(cls, folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    def from_pretrained(
+        cls, folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+    ) -> CausalLM:
         """Build the model without random initialisation (on the meta device), then load the weights."""
         with torch.device("meta"):
             model = cls(cfg, max_positions)
@@ -247,21 +247,8 @@ class CausalLM(nn.Module):
 
     # --8<-- [start:compute_logits]
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits for the rows we sample from (only each request's last token), in fp32.
-
-        The head is the largest matrix (113 MB for SmolLM2 in fp32), so its layout
-        matters on a CPU. For one or two rows, a contiguous transposed copy is about
-        2x faster than ``F.linear`` (5 ms vs 10 ms for one row). For a batch, running
-        ``F.linear`` over slices of 1,024 vocabulary rows is 20-40% faster than either
-        (48 ms vs 59 ms for 64 rows; measured with one thread, the BLAS simply does
-        better on the smaller shape). The copy is made on first use and costs the
-        head's size once.
-        """
-        if hidden.shape[0] <= 2:
-            if self.lm_head_t is None:
-                self.lm_head_t = self.lm_head.weight.t().contiguous()
-            return (hidden @ self.lm_head_t).float()
-        return torch.cat([F.linear(hidden, rows) for rows in self.lm_head.weight.split(LM_HEAD_SLICE)], dim=-1).float()
+        """Logits for the rows we sample from (only each request's last token), in fp32."""
+        return self.lm_head(hidden).float()
     # --8<-- [end:compute_logits]
 
     def load_weights(self, folder: Path) -> None:

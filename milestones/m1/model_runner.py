@@ -6,27 +6,49 @@ the whole prompt at prefill, the last sampled token at decode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from milestones.kernels import pack_linear_layers_for
 
 from .attention import AttentionContext
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+# --8<-- [start:model_inputs]
+@dataclass(slots=True)
+class ModelInputs:
+    """One step's forward pass, as tensors, and which of its rows predict a new token."""
+
+    input_ids: torch.Tensor  # [num_tokens]: the tokens computed this step
+    positions: torch.Tensor  # [num_tokens]: where each sits in its sequence
+    ctx: AttentionContext  # where attention writes and reads keys and values
+    sample_rows: list[int]  # rows whose output predicts a sequence's next token
+    sample_seqs: list[Sequence]  # the sequence of each of those rows
+# --8<-- [end:model_inputs]
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
         self.config = config
         self.device = config.device
-        self.model = CausalLM.from_pretrained(model_path, model_config, config.max_model_len, config.device, config.dtype)
+        self.model = CausalLM.from_pretrained(
+            model_path, model_config, config.max_model_len, config.device, config.dtype
+        )
         # One contiguous cache row per position, for every layer, allocated once up front.
         shape = (model_config.num_layers, config.max_model_len, model_config.num_kv_heads, model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
+        # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
+        self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -42,13 +64,19 @@ class ModelRunner:
     # --8<-- [start:execute]
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Compute the batch's new tokens and sample one token per sequence."""
+        """Compute the batch's new tokens in one forward pass and sample one token per sequence."""
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
+        return self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
+    # --8<-- [end:execute]
+
+    # --8<-- [start:prepare_inputs]
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """The one sequence's new tokens, their positions, and the cache rows they fill."""
         (seq,), (num_new,) = batch.seqs, batch.num_new_tokens
         start = seq.num_computed_tokens
         input_ids = torch.tensor(seq.token_ids[start : start + num_new], device=self.device)
         positions = torch.arange(start, start + num_new, device=self.device)
         ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=positions, context_len=start + num_new)
-        hidden = self.model(input_ids, positions, ctx)
-        logits = self.model.compute_logits(hidden[-1:])  # only the last position predicts a new token
-        return self.sampler(logits, [seq])
-    # --8<-- [end:execute]
+        return ModelInputs(input_ids, positions, ctx, sample_rows=[num_new - 1], sample_seqs=[seq])  # the last predicts
+    # --8<-- [end:prepare_inputs]

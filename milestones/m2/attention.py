@@ -7,9 +7,9 @@ reading only its own slot, up to its own length: no padding, no copies.
 
 A request in the batch is either decoding (one new token, which sees its whole
 cache) or prefilling a chunk of its prompt (several new tokens, which see the
-part of the prompt cached before them and, causally, each other). With a compiled
-decode kernel (``decode_kernel.py``) the decoding requests go to it all at once,
-and only the prefill chunks take the per-request torch path.
+part of the prompt cached before them and, causally, each other). With the
+compiled decode kernel on (a CPU speed-up from ``milestones.kernels``) the decoding
+requests go to it all at once, and only the prefill chunks take the per-request path.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decode_kernel import DecodeKernel
+from milestones.kernels import DecodeKernel
 
 
 # --8<-- [start:context]
@@ -31,8 +31,18 @@ class AttentionContext:
     v_cache: torch.Tensor
     token_slots: torch.Tensor  # [num_tokens]: the KV slot of each new token's request
     positions: torch.Tensor  # [num_tokens]: where in its slot each new token goes
-    requests: list[tuple[int, int, int, int]]  # per request: (first row, end row, KV slot, context length)
+    requests: list[RequestSpan]  # the requests that attention goes through one by one
     kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
+
+
+@dataclass(slots=True)
+class RequestSpan:
+    """One request's new tokens in the flat batch, and where its keys and values are."""
+
+    start: int  # its first row in the flat batch
+    end: int  # one past its last row
+    kv_slot: int  # its KV slot
+    context_len: int  # tokens it attends to, this step's included
 
 
 @dataclass(slots=True)
@@ -56,10 +66,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     if (batch := ctx.kernel_batch) is not None:
         scale = q.shape[-1] ** -0.5
         out[batch.rows] = batch.kernel(q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
-    for start, end, slot, context_len in ctx.requests:
-        keys, values = k_cache[slot, :, :context_len], v_cache[slot, :, :context_len]  # views, no copy
-        attend = decode_attention if end - start == 1 else prefill_attention
-        out[start:end] = attend(q[start:end], keys, values)
+    for span in ctx.requests:
+        keys = k_cache[span.kv_slot, :, : span.context_len]  # a view of its slot, no copy
+        values = v_cache[span.kv_slot, :, : span.context_len]
+        attend = decode_attention if span.end - span.start == 1 else prefill_attention
+        out[span.start : span.end] = attend(q[span.start : span.end], keys, values)
     return out
 # --8<-- [end:attention]
 
@@ -69,15 +80,15 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     """A chunk of n tokens at the end of a context of L tokens: query i sees keys 0..L-n+i.
 
     The tensors get a batch dimension of one: on a CPU only 4-D inputs reach
-    torch's flash-attention kernel, and 3-D ones take the math path, which is
-    1.4-3x slower for these shapes.
+    torch's flash-attention kernel, and 3-D ones take the slower math path.
     """
     n, context_len = q.shape[0], keys.shape[1]
     q, keys, values = q.transpose(0, 1)[None], keys[None], values[None]  # [1, heads, n, dim], [1, kv_heads, L, dim]
     if n == context_len:  # the whole prompt at once: the plain causal mask
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
     else:
-        visible = torch.arange(context_len, device=q.device) <= torch.arange(context_len - n, context_len, device=q.device)[:, None]
+        query_positions = torch.arange(context_len - n, context_len, device=q.device)
+        visible = torch.arange(context_len, device=q.device) <= query_positions[:, None]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
     return out[0].transpose(0, 1)
 # --8<-- [end:prefill_attention]
@@ -89,7 +100,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
 
     Grouped-query attention: query head h reads kv head ``h // group``, so the
     query heads are viewed as [kv_heads, group] and each kv head is read once.
-    Written out by hand because it is ~3x faster on CPU than SDPA for one query.
+    Written out by hand because on a CPU it beats SDPA for one query (see the benchmarks page).
     """
     num_kv_heads, _, dim = keys.shape
     q = q.view(num_kv_heads, -1, dim)  # [kv_heads, group, dim]

@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from milestones.kernels import check_attention_backend, check_linear_backend
+
 DEFAULT_MAX_MODEL_LEN = 2048  # each request's KV slot is this long, so keep the default modest
-ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
-LINEAR_BACKENDS = ("auto", "torch", "onednn")  # auto: weights packed for oneDNN on a CPU in float32, else torch
 
 
 @dataclass(slots=True)
@@ -18,10 +18,10 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
     seed: int = 0  # seeds the requests that bring no seed of their own
+    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed weights, CPU fp32; "auto"
     max_num_seqs: int = 16  # requests running at once (each owns a KV slot of max_model_len)
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
-    attention_backend: str = "auto"  # decode attention: "torch" (the reference), "cpp" (compiled, CPU float32), "auto"
-    linear_backend: str = "auto"  # linear layers: "torch" (F.linear, the reference), "onednn" (packed weights, CPU float32), "auto"
+    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32; "auto"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
@@ -37,7 +37,9 @@ class EngineConfig:
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
-            raise ValueError(f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}")
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
+            )
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
@@ -45,12 +47,6 @@ class EngineConfig:
                 f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
                 f"request can decode each step, got {self.max_num_batched_tokens!r}"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.attention_backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
-            raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        if self.linear_backend == "onednn" and (device.type != "cpu" or dtype != torch.float32):
-            raise ValueError(f"linear_backend='onednn' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
+        check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
+        check_attention_backend(self.attention_backend, device, dtype)  # another one
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)

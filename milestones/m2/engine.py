@@ -51,11 +51,13 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: shorten the prompt (it must leave room for one generated token)")
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+                             "shorten the prompt (it must leave room for one generated token)")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit}): "
-                f"lower max_tokens to at most {limit - len(token_ids)}, or pass max_tokens=None to stop at the context limit"
+                f"lower max_tokens to at most {limit - len(token_ids)}, "
+                "or pass max_tokens=None to stop at the context limit"
             )
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if self.scheduler.find(request_id) is not None:

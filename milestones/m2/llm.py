@@ -41,7 +41,8 @@ class LLM:
         prompts = list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; pass one, or one per prompt")
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                                 "pass one, or one per prompt")
             params = sampling_params
         else:
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -56,7 +57,10 @@ class LLM:
         return self._run(request_ids, use_tqdm and len(prompts) > 1)
     # --8<-- [end:generate]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [

@@ -7,34 +7,53 @@ and only each request's last position goes through the LM head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .attention import AttentionContext, KernelBatch
+from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+
+from .attention import AttentionContext, KernelBatch, RequestSpan
 from .config import EngineConfig
-from .decode_kernel import decode_kernel_for
 from .model import CausalLM, ModelConfig
-from .packed_linear import pack_linear_layers, use_packed_linear
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+# --8<-- [start:model_inputs]
+@dataclass(slots=True)
+class ModelInputs:
+    """One step's forward pass, as tensors, and which of its rows predict a new token."""
+
+    input_ids: torch.Tensor  # [num_tokens]: the tokens computed this step
+    positions: torch.Tensor  # [num_tokens]: where each sits in its sequence
+    ctx: AttentionContext  # where attention writes and reads keys and values
+    sample_rows: list[int]  # rows whose output predicts a sequence's next token
+    sample_seqs: list[Sequence]  # the sequence of each of those rows
+# --8<-- [end:model_inputs]
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
         self.config = config
         self.device = config.device
-        self.model = CausalLM.from_pretrained(model_path, model_config, config.max_model_len, config.device, config.dtype)
+        self.model = CausalLM.from_pretrained(
+            model_path, model_config, config.max_model_len, config.device, config.dtype
+        )
         # One contiguous slot of max_model_len positions per running request, allocated up front:
         # simple, and wasteful on purpose (m3 fixes it).
-        shape = (model_config.num_layers, config.max_num_seqs, model_config.num_kv_heads, config.max_model_len, model_config.head_dim)
+        shape = (model_config.num_layers, config.max_num_seqs, model_config.num_kv_heads, config.max_model_len,
+                 model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
+        # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
+        self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
+        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
-        self.packed_linear = use_packed_linear(config.linear_backend, config.device, config.dtype)
-        # The LM head, for the rows that sample: the packed copy's logits are fp32 already (it runs in fp32 only).
-        self.compute_logits = pack_linear_layers(self.model) if self.packed_linear else self.model.compute_logits
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -51,32 +70,43 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
-        input_ids, positions, token_slots, requests = [], [], [], []
-        kernel_rows, kernel_slots, kernel_lens = [], [], []  # decoding requests, when the kernel takes them
-        last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
+        if not inputs.sample_seqs:  # every request is in the middle of its prompt
+            return [None] * len(batch.seqs)
+        sampled = self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
+        token_of = {seq.request_id: token for seq, token in zip(inputs.sample_seqs, sampled)}
+        return [token_of.get(seq.request_id) for seq in batch.seqs]  # None: a prompt chunk that predicts nothing yet
+    # --8<-- [end:execute]
+
+    # --8<-- [start:prepare_inputs]
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
+        input_ids, positions, token_slots = [], [], []  # one entry per token
+        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        sample_rows, sample_seqs = [], []
         for seq, num_new, slot in zip(batch.seqs, batch.num_new_tokens, batch.kv_slots):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             row = len(input_ids)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             token_slots += [slot] * num_new
-            if num_new == 1 and self.decode_kernel is not None:  # a decode: the kernel takes it
-                kernel_rows.append(row)
-                kernel_slots.append([slot])
-                kernel_lens.append(end)
-            else:
-                requests.append((row, row + num_new, slot, end))
+            span = RequestSpan(row, row + num_new, slot, end)
+            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
-                last_rows.append(row + num_new - 1)
-                sampled.append(seq)
+                sample_rows.append(row + num_new - 1)
+                sample_seqs.append(seq)
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), requests)
-        if kernel_rows:
-            ctx.kernel_batch = KernelBatch(self.decode_kernel, *map(self._tensor, (kernel_rows, kernel_slots, kernel_lens)))
-        hidden = self.model(self._tensor(input_ids), ctx.positions, ctx)
-        tokens = iter(self.sampler(self.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
-        done = {seq.request_id for seq in sampled}
-        return [next(tokens) if seq.request_id in done else None for seq in batch.seqs]
-    # --8<-- [end:execute]
+        if decodes:
+            ctx.kernel_batch = self.kernel_batch(decodes)
+        return ModelInputs(self._tensor(input_ids), ctx.positions, ctx, sample_rows, sample_seqs)
+    # --8<-- [end:prepare_inputs]
+
+    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
+        """The decoding requests as one call of the compiled kernel, each slot seen as one block of max_model_len."""
+        rows = self._tensor([span.start for span in decodes])
+        block_tables = self._tensor([[span.kv_slot] for span in decodes])
+        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -10,8 +10,9 @@ own range exactly as in m2.
 
 This is plain torch, correct on CPU and CUDA. A real paged-attention kernel
 (vLLM's) reads the blocks in place instead of copying them, and so does the
-compiled decode kernel (``decode_kernel.py``) when it is on: the decoding
-requests go to it with their block tables, and only prefill chunks are gathered.
+compiled decode kernel (a CPU speed-up from ``milestones.kernels``) when it is on:
+the decoding requests go to it with their block tables, and only the requests left
+to the torch path are gathered.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .decode_kernel import DecodeKernel
+from milestones.kernels import DecodeKernel
 
 
 # --8<-- [start:context]
@@ -32,9 +33,20 @@ class AttentionContext:
     k_cache: torch.Tensor  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens]: block * block_size + offset of each new token
-    block_tables: torch.Tensor  # every request's block table, one after the other
-    requests: list[tuple[int, int, int, int]]  # per request: (first row, end row, first gathered position, context length)
+    block_tables: torch.Tensor  # the block tables of ``requests``, one after the other, gathered in one copy
+    requests: list[RequestSpan]  # the requests that attention goes through one by one
     kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
+
+
+@dataclass(slots=True)
+class RequestSpan:
+    """One request's new tokens in the flat batch, and where its keys and values are."""
+
+    start: int  # its first row in the flat batch
+    end: int  # one past its last row
+    block_table: list[int]  # the blocks that hold its context, in order
+    context_len: int  # tokens it attends to, this step's included
+    first: int = 0  # where its keys begin in the run gathered from ``block_tables``
 
 
 @dataclass(slots=True)
@@ -57,17 +69,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     k_cache[:, blocks, offsets] = k.transpose(0, 1)
     v_cache[:, blocks, offsets] = v.transpose(0, 1)
     out = torch.empty_like(q)
-    if (batch := ctx.kernel_batch) is not None:  # the kernel reads the blocks where they are: [blocks, kv_heads, ...] views
+    if (batch := ctx.kernel_batch) is not None:  # the kernel reads the blocks where they are
         scale = q.shape[-1] ** -0.5
-        pool_k, pool_v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
+        pool_k, pool_v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)  # [blocks, kv_heads, block_size, dim] views
         out[batch.rows] = batch.kernel(q[batch.rows], pool_k, pool_v, batch.block_tables, batch.context_lens, scale)
     if not ctx.requests:
         return out
     all_keys, all_values = gather(k_cache, ctx.block_tables), gather(v_cache, ctx.block_tables)
-    for start, end, first, context_len in ctx.requests:
-        keys, values = all_keys[:, first : first + context_len], all_values[:, first : first + context_len]
-        attend = decode_attention if end - start == 1 else prefill_attention
-        out[start:end] = attend(q[start:end], keys, values)
+    for span in ctx.requests:
+        keys = all_keys[:, span.first : span.first + span.context_len]
+        values = all_values[:, span.first : span.first + span.context_len]
+        attend = decode_attention if span.end - span.start == 1 else prefill_attention
+        out[span.start : span.end] = attend(q[span.start : span.end], keys, values)
     return out
 # --8<-- [end:attention]
 
@@ -85,15 +98,15 @@ def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     """A chunk of n tokens at the end of a context of L tokens: query i sees keys 0..L-n+i.
 
     The tensors get a batch dimension of one: on a CPU only 4-D inputs reach
-    torch's flash-attention kernel, and 3-D ones take the math path, which is
-    1.4-3x slower for these shapes.
+    torch's flash-attention kernel, and 3-D ones take the slower math path.
     """
     n, context_len = q.shape[0], keys.shape[1]
     q, keys, values = q.transpose(0, 1)[None], keys[None], values[None]  # [1, heads, n, dim], [1, kv_heads, L, dim]
     if n == context_len:  # the whole prompt at once: the plain causal mask
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
     else:
-        visible = torch.arange(context_len, device=q.device) <= torch.arange(context_len - n, context_len, device=q.device)[:, None]
+        query_positions = torch.arange(context_len - n, context_len, device=q.device)
+        visible = torch.arange(context_len, device=q.device) <= query_positions[:, None]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
     return out[0].transpose(0, 1)
 # --8<-- [end:prefill_attention]
@@ -105,7 +118,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
 
     Grouped-query attention: query head h reads kv head ``h // group``, so the
     query heads are viewed as [kv_heads, group] and each kv head is read once.
-    Written out by hand because it is ~3x faster on CPU than SDPA for one query.
+    Written out by hand because on a CPU it beats SDPA for one query (see the benchmarks page).
     """
     num_kv_heads, _, dim = keys.shape
     q = q.view(num_kv_heads, -1, dim)  # [kv_heads, group, dim]

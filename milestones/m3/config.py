@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from milestones.kernels import check_attention_backend, check_linear_backend
+
 DEFAULT_MAX_MODEL_LEN = 2048
-ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
-LINEAR_BACKENDS = ("auto", "torch", "onednn")  # auto: weights packed for oneDNN on a CPU in float32, else torch
 
 
 @dataclass(slots=True)
@@ -18,10 +18,10 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
     seed: int = 0  # seeds the requests that bring no seed of their own
+    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed weights, CPU fp32; "auto"
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
-    attention_backend: str = "auto"  # decode attention: "torch" (the reference), "cpp" (compiled, CPU float32), "auto"
-    linear_backend: str = "auto"  # linear layers: "torch" (F.linear, the reference), "onednn" (packed weights, CPU float32), "auto"
+    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32; "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
@@ -40,7 +40,9 @@ class EngineConfig:
             raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
         max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
-            raise ValueError(f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}")
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
+            )
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
@@ -52,12 +54,6 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        if self.attention_backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
-            raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        if self.linear_backend == "onednn" and (device.type != "cpu" or dtype != torch.float32):
-            raise ValueError(f"linear_backend='onednn' runs on the CPU in float32 only (got {device.type}, {dtype}); use 'torch' or 'auto'")
+        check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
+        check_attention_backend(self.attention_backend, device, dtype)  # another one
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)

@@ -51,11 +51,13 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: shorten the prompt (it must leave room for one generated token)")
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+                             "shorten the prompt (it must leave room for one generated token)")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit}): "
-                f"lower max_tokens to at most {limit - len(token_ids)}, or pass max_tokens=None to stop at the context limit"
+                f"lower max_tokens to at most {limit - len(token_ids)}, "
+                "or pass max_tokens=None to stop at the context limit"
             )
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if self.scheduler.find(request_id) is not None:
@@ -145,12 +147,12 @@ class LLMEngine:
     def kv_usage(self) -> dict[str, int]:
         """KV pool bytes reserved vs filled with tokens of running requests, blocks in use and free, preemptions."""
         computed = sum(seq.num_computed_tokens for seq in self.scheduler.running_seqs())
-        blocks = self.scheduler.blocks
+        block_manager = self.scheduler.block_manager
         return {
             "reserved_bytes": self.runner.kv_cache_bytes,
             "used_bytes": computed * self.runner.kv_bytes_per_token,
-            "blocks_in_use": blocks.num_blocks - blocks.num_free_blocks,
-            "blocks_free": blocks.num_free_blocks,
+            "blocks_in_use": block_manager.num_blocks - block_manager.num_free_blocks,
+            "blocks_free": block_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
         }
 

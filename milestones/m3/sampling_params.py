@@ -42,7 +42,9 @@ class SamplingParams:
         if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 (or None for 'until the context is full'), got {self.max_tokens!r}")
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (or None for 'until the context is full'), got {self.max_tokens!r}"
+            )
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):

@@ -45,19 +45,19 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         longest = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len - seq.num_prompt_tokens)
-        needed = self.blocks.blocks_needed(longest)
-        if needed > self.blocks.num_blocks:
+        needed = self.block_manager.blocks_needed(longest)
+        if needed > self.block_manager.num_blocks:
             raise ValueError(
-                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of {self.blocks.block_size} "
-                f"tokens, but the whole pool has {self.blocks.num_blocks}: lower max_tokens, or give the engine more "
-                "blocks (num_kv_blocks or kv_cache_memory_bytes)"
+                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of "
+                f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_blocks}: "
+                "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
             )
         self.waiting.append(seq)
 
@@ -74,7 +74,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.can_grow(seq.request_id, seq.num_computed_tokens + num_new):
+            while not self.block_manager.can_grow(seq.request_id, seq.num_computed_tokens + num_new):
                 victim = max(queue, key=self.running.index) if queue else seq
                 self._preempt(victim)
                 preempted = True
@@ -88,8 +88,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needed = self.blocks.num_new_blocks(seq.request_id, seq.num_computed_tokens + num_new)
-            if needed + len(self.running) > self.blocks.num_free_blocks:
+            needed = self.block_manager.num_new_blocks(seq.request_id, seq.num_computed_tokens + num_new)
+            if needed + len(self.running) > self.block_manager.num_free_blocks:
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -101,13 +101,13 @@ class Scheduler:
         """Schedule ``num_new`` tokens of the sequence, growing its block table to hold them."""
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
-        batch.block_tables.append(self.blocks.grow(seq.request_id, seq.num_computed_tokens + num_new))
+        batch.block_tables.append(self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new))
         return num_new
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""
         self.running.remove(seq)
-        self.blocks.free(seq.request_id)
+        self.block_manager.free(seq.request_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -118,7 +118,7 @@ class Scheduler:
         """Forget a finished (or aborted) sequence and return its blocks at once."""
         if seq in self.running:
             self.running.remove(seq)
-            self.blocks.free(seq.request_id)
+            self.block_manager.free(seq.request_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 

@@ -32,9 +32,6 @@ class BlockManager:
         """Blocks a request must still get so that its first ``num_tokens`` tokens have a slot."""
         return max(0, self.blocks_needed(num_tokens) - len(self.block_tables.get(request_id, ())))
 
-    def can_grow(self, request_id: str, num_tokens: int) -> bool:
-        return self.num_new_blocks(request_id, num_tokens) <= self.num_free_blocks
-
     # --8<-- [start:grow]
     def grow(self, request_id: str, num_tokens: int) -> list[int]:
         """Extend the request's block table with fresh blocks to hold ``num_tokens`` tokens; return its table."""

@@ -51,11 +51,13 @@ class LLMEngine:
         token_ids = self._tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: shorten the prompt (it must leave room for one generated token)")
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+                             "shorten the prompt (it must leave room for one generated token)")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit}): "
-                f"lower max_tokens to at most {limit - len(token_ids)}, or pass max_tokens=None to stop at the context limit"
+                f"lower max_tokens to at most {limit - len(token_ids)}, "
+                "or pass max_tokens=None to stop at the context limit"
             )
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if self.scheduler.find(request_id) is not None:
@@ -146,14 +148,14 @@ class LLMEngine:
         """KV pool bytes reserved vs filled, blocks in use / cached / free, preemptions, prefix-cache hit rate."""
         scheduler = self.scheduler
         computed = sum(seq.num_computed_tokens for seq in scheduler.running_seqs())
-        in_use = {b for table in scheduler.blocks.block_tables.values() for b in table}
+        in_use = {b for table in scheduler.block_manager.block_tables.values() for b in table}
         cached = set(scheduler.tree.cached_blocks()) - in_use if scheduler.tree is not None else set()
         return {
             "reserved_bytes": self.runner.kv_cache_bytes,
             "used_bytes": computed * self.runner.kv_bytes_per_token,
             "blocks_in_use": len(in_use),
             "blocks_cached": len(cached),
-            "blocks_free": scheduler.blocks.num_free_blocks,
+            "blocks_free": scheduler.block_manager.num_free_blocks,
             "num_preemptions": scheduler.num_preemptions,
             "prefix_hit_rate": scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens),
         }

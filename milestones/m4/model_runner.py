@@ -7,37 +7,56 @@ budget, and each request reaches its keys and values through its block table.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .attention import AttentionContext, KernelBatch
+from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+
+from .attention import AttentionContext, KernelBatch, RequestSpan
 from .config import EngineConfig
-from .decode_kernel import decode_kernel_for
 from .model import CausalLM, ModelConfig
-from .packed_linear import pack_linear_layers, use_packed_linear
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+
+# --8<-- [start:model_inputs]
+@dataclass(slots=True)
+class ModelInputs:
+    """One step's forward pass, as tensors, and which of its rows predict a new token."""
+
+    input_ids: torch.Tensor  # [num_tokens]: the tokens computed this step
+    positions: torch.Tensor  # [num_tokens]: where each sits in its sequence
+    ctx: AttentionContext  # where attention writes and reads keys and values
+    sample_rows: list[int]  # rows whose output predicts a sequence's next token
+    sample_seqs: list[Sequence]  # the sequence of each of those rows
+# --8<-- [end:model_inputs]
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
         self.config = config
         self.device = config.device
-        self.model = CausalLM.from_pretrained(model_path, model_config, config.max_model_len, config.device, config.dtype)
+        self.model = CausalLM.from_pretrained(
+            model_path, model_config, config.max_model_len, config.device, config.dtype
+        )
         element_size = torch.empty((), dtype=config.dtype).element_size()
         bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element_size
         if config.num_kv_blocks is None:  # size the pool from the memory budget; the scheduler reads it back
             budget = config.kv_cache_memory_bytes or config.max_num_seqs * config.max_model_len * bytes_per_token
             config.num_kv_blocks = max(1, budget // (bytes_per_token * config.block_size))
-        shape = (model_config.num_layers, model_config.num_kv_heads, config.num_kv_blocks, config.block_size, model_config.head_dim)
+        shape = (model_config.num_layers, model_config.num_kv_heads, config.num_kv_blocks, config.block_size,
+                 model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
+        # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
+        self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
+        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
-        self.packed_linear = use_packed_linear(config.linear_backend, config.device, config.dtype)
-        # The LM head, for the rows that sample: the packed copy's logits are fp32 already (it runs in fp32 only).
-        self.compute_logits = pack_linear_layers(self.model) if self.packed_linear else self.model.compute_logits
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -54,36 +73,50 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
+        inputs = self.prepare_inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
+        if not inputs.sample_seqs:  # every request is in the middle of its prompt
+            return [None] * len(batch.seqs)
+        sampled = self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
+        token_of = {seq.request_id: token for seq, token in zip(inputs.sample_seqs, sampled)}
+        return [token_of.get(seq.request_id) for seq in batch.seqs]  # None: a prompt chunk that predicts nothing yet
+    # --8<-- [end:execute]
+
+    # --8<-- [start:prepare_inputs]
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
         block_size = self.config.block_size
-        input_ids, positions, slot_mapping, block_tables, requests = [], [], [], [], []
-        kernel_rows, kernel_tables, kernel_lens = [], [], []  # decoding requests, when the kernel takes them
-        last_rows, sampled = [], []  # the rows that predict a new token, and their sequences
+        input_ids, positions, slot_mapping = [], [], []  # one entry per token
+        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        sample_rows, sample_seqs = [], []
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             row = len(input_ids)
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-            if num_new == 1 and self.decode_kernel is not None:  # a decode: the kernel reads its blocks in place
-                kernel_rows.append(row)
-                kernel_tables.append(table[: -(-end // block_size)])
-                kernel_lens.append(end)
-            else:
-                requests.append((row, row + num_new, len(block_tables) * block_size, end))
-                block_tables += table[: -(-end // block_size)]
+            span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
+            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
-                last_rows.append(row + num_new - 1)
-                sampled.append(seq)
-        ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(slot_mapping), self._tensor(block_tables), requests)
-        if kernel_rows:
-            width = max(map(len, kernel_tables))
-            padded = [table + [0] * (width - len(table)) for table in kernel_tables]
-            ctx.kernel_batch = KernelBatch(self.decode_kernel, *map(self._tensor, (kernel_rows, padded, kernel_lens)))
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), ctx)
-        tokens = iter(self.sampler(self.compute_logits(hidden[last_rows]), sampled)) if sampled else iter(())
-        done = {seq.request_id for seq in sampled}
-        return [next(tokens) if seq.request_id in done else None for seq in batch.seqs]
-    # --8<-- [end:execute]
+                sample_rows.append(row + num_new - 1)
+                sample_seqs.append(seq)
+        block_tables = []  # the torch path gathers every request's blocks in one copy per layer
+        for span in requests:
+            span.first = len(block_tables) * block_size
+            block_tables += span.block_table
+        ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(slot_mapping), self._tensor(block_tables),
+                               requests)
+        if decodes:
+            ctx.kernel_batch = self.kernel_batch(decodes)
+        return ModelInputs(self._tensor(input_ids), self._tensor(positions), ctx, sample_rows, sample_seqs)
+    # --8<-- [end:prepare_inputs]
+
+    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
+        """The decoding requests as one call of the compiled kernel, which reads their blocks in place."""
+        rows = self._tensor([span.start for span in decodes])
+        width = max(len(span.block_table) for span in decodes)  # tables padded with block 0, never read
+        block_tables = self._tensor([span.block_table + [0] * (width - len(span.block_table)) for span in decodes])
+        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -33,4 +33,5 @@ class RequestOutput:
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
         )
-        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics, seq.num_cached_tokens)
+        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics,
+                   seq.num_cached_tokens)

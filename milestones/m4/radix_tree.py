@@ -7,11 +7,14 @@ and its blocks are that prefix's KV, ready to be reused by any request that
 starts with the same tokens (a block's KV depends on every token before it,
 which is why only whole prefixes can be shared).
 
-* ``match_prefix`` finds the longest cached prefix of a prompt.
+* ``match_prefix`` finds the longest cached prefix of a prompt, to use it.
+  ``cached_prefix_length`` only measures it, changing nothing (for sorting).
 * ``insert`` adds a computed prefix; the parts already present are left alone.
 * ``lock``/``unlock`` count the running requests that use a path; a locked node
   is never evicted.
 * ``evict`` drops least-recently-used unlocked leaves to free their blocks.
+  ``num_evictable_blocks`` counts what it could free, kept up to date by every
+  change so that the scheduler can ask at every step without a walk of the tree.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class RadixTree:
         self.block_size = block_size
         self.root = Node((), [])
         self.root.lock_ref = 1  # the root is never evicted
+        self.num_evictable_blocks = 0  # blocks of unlocked nodes; check_integrity recounts them
         self._clock = itertools.count(1)
 
     # --8<-- [start:match_prefix]
@@ -57,6 +61,22 @@ class RadixTree:
         return blocks, node
     # --8<-- [end:match_prefix]
 
+    # --8<-- [start:cached_prefix_length]
+    def cached_prefix_length(self, tokens: list[int]) -> int:
+        """How many tokens ``match_prefix`` would match, found read-only: no edge is split, no node counts as used."""
+        node, i = self.root, 0
+        while i + self.block_size <= len(tokens):
+            child = node.children.get(tuple(tokens[i : i + self.block_size]))
+            if child is None:
+                break
+            same = self._common_blocks(child, tokens, i)
+            i += same * self.block_size
+            if same < len(child.blocks):
+                break  # the prompt leaves this edge midway
+            node = child
+        return i
+    # --8<-- [end:cached_prefix_length]
+
     # --8<-- [start:insert]
     def insert(self, tokens: list[int], blocks: list[int]) -> tuple[Node, list[int]]:
         """Add a computed prefix. Returns its last node and the blocks the tree newly took over.
@@ -72,6 +92,7 @@ class RadixTree:
                 child = Node(tuple(tokens[i:]), list(blocks[i // self.block_size :]), parent=node)
                 node.children[child.tokens[: self.block_size]] = child
                 adopted = child.blocks
+                self.num_evictable_blocks += len(adopted)  # a new node is unlocked
             else:
                 same = self._common_blocks(child, tokens, i)
                 if same < len(child.blocks):
@@ -84,6 +105,8 @@ class RadixTree:
     # --8<-- [start:lock]
     def lock(self, node: Node) -> None:
         while node is not None:
+            if node.lock_ref == 0:
+                self.num_evictable_blocks -= len(node.blocks)
             node.lock_ref += 1
             node = node.parent
     # --8<-- [end:lock]
@@ -93,6 +116,8 @@ class RadixTree:
         while node is not None:
             node.lock_ref -= 1
             assert node.lock_ref >= 0, "unlocked more often than locked"
+            if node.lock_ref == 0:
+                self.num_evictable_blocks += len(node.blocks)
             node = node.parent
     # --8<-- [end:unlock]
 
@@ -107,26 +132,27 @@ class RadixTree:
             parent = leaf.parent
             del parent.children[leaf.tokens[: self.block_size]]
             released += leaf.blocks
+            self.num_evictable_blocks -= len(leaf.blocks)
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_access, id(parent), parent))
         return released
     # --8<-- [end:evict]
 
-    def num_evictable_blocks(self) -> int:
-        """Blocks that eviction could free now: those of nodes no running request has locked."""
-        return sum(len(node.blocks) for node in self._nodes() if node.lock_ref == 0)
-
     def cached_blocks(self) -> list[int]:
         return [b for node in self._nodes() for b in node.blocks]
 
     def check_integrity(self) -> None:
-        """Edges hold whole blocks, children are keyed by their first block, locks never grow downwards."""
+        """Edges hold whole blocks, children are keyed by their first block, locks never grow downwards,
+        and ``num_evictable_blocks`` equals a recount."""
         for node in self._nodes():
             assert len(node.tokens) == len(node.blocks) * self.block_size and node.blocks
             assert node.parent.children[node.tokens[: self.block_size]] is node
             assert 0 <= node.lock_ref <= node.parent.lock_ref
         blocks = self.cached_blocks()
         assert len(blocks) == len(set(blocks)), "a block appears twice in the tree"
+        unlocked = sum(len(node.blocks) for node in self._nodes() if node.lock_ref == 0)
+        counted = self.num_evictable_blocks
+        assert counted == unlocked, f"num_evictable_blocks is {counted} but {unlocked} blocks are unlocked"
 
     def _common_blocks(self, child: Node, tokens: list[int], start: int) -> int:
         """How many whole blocks of the child's edge equal ``tokens`` from ``start``."""
@@ -140,9 +166,13 @@ class RadixTree:
 
     # --8<-- [start:split]
     def _split(self, child: Node, num_blocks: int) -> Node:
-        """Cut an edge after ``num_blocks`` blocks; the new upper node carries the same locks."""
+        """Cut an edge after ``num_blocks`` blocks; the new upper node carries the same locks.
+
+        Both halves have the original's lock count, so the number of evictable blocks stays the same.
+        """
         cut = num_blocks * self.block_size
-        upper = Node(child.tokens[:cut], child.blocks[:num_blocks], child.parent, lock_ref=child.lock_ref, last_access=child.last_access)
+        upper = Node(child.tokens[:cut], child.blocks[:num_blocks], child.parent,
+                     lock_ref=child.lock_ref, last_access=child.last_access)
         child.parent.children[upper.tokens[: self.block_size]] = upper
         child.tokens, child.blocks, child.parent = child.tokens[cut:], child.blocks[num_blocks:], upper
         upper.children[child.tokens[: self.block_size]] = child

@@ -44,7 +44,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
@@ -55,12 +55,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         longest = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len - seq.num_prompt_tokens)
-        needed = self.blocks.blocks_needed(longest)
-        if needed > self.blocks.num_blocks:
+        needed = self.block_manager.blocks_needed(longest)
+        if needed > self.block_manager.num_blocks:
             raise ValueError(
-                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of {self.blocks.block_size} "
-                f"tokens, but the whole pool has {self.blocks.num_blocks}: lower max_tokens, or give the engine more "
-                "blocks (num_kv_blocks or kv_cache_memory_bytes)"
+                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of "
+                f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_blocks}: "
+                "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
             )
         self.waiting.append(seq)
 
@@ -89,7 +89,8 @@ class Scheduler:
             else:
                 budget -= self._take(batch, seq, num_new)
         if self.config.scheduling_policy == "lpm" and self.tree is not None:
-            self.waiting = deque(sorted(self.waiting, key=lambda s: -len(self.tree.match_prefix(s.token_ids[:-1])[0])))
+            # Measured read-only: sorting must not split edges or refresh the LRU times of requests still waiting.
+            self.waiting = deque(sorted(self.waiting, key=lambda s: -self.tree.cached_prefix_length(s.token_ids[:-1])))
         # Admit waiting requests while their first chunk's blocks are free and one more block per running
         # request stays free, room for everyone to grow (never right after a preemption).
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
@@ -112,7 +113,7 @@ class Scheduler:
         if self.tree is None:
             return
         blocks, node = self.tree.match_prefix(seq.token_ids[:-1])
-        self.blocks.share(seq.request_id, blocks)
+        self.block_manager.share(seq.request_id, blocks)
         self.tree.lock(node)
         self.locked[seq.request_id] = node
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
@@ -125,10 +126,10 @@ class Scheduler:
         locked = self.locked[seq.request_id]
         if num_blocks * self.config.block_size <= sum(len(n.tokens) for n in _path(locked)):
             return  # nothing new since the last insert
-        table = self.blocks.block_tables[seq.request_id]
+        table = self.block_manager.block_tables[seq.request_id]
         node, adopted = self.tree.insert(seq.token_ids[: num_blocks * self.config.block_size], table[:num_blocks])
         for block in adopted:
-            self.blocks.hold(block)
+            self.block_manager.hold(block)
         self.tree.lock(node)
         self.tree.unlock(locked)
         self.locked[seq.request_id] = node
@@ -139,23 +140,23 @@ class Scheduler:
         Evicts unlocked cached blocks if that is what it takes, and only if it is enough:
         a request that will not fit anyway leaves the cache alone.
         """
-        needed = self.blocks.num_new_blocks(seq.request_id, num_tokens) + headroom
-        missing = needed - self.blocks.num_free_blocks
-        if missing > 0 and self.tree is not None and missing <= self.tree.num_evictable_blocks():
+        needed = self.block_manager.num_new_blocks(seq.request_id, num_tokens) + headroom
+        missing = needed - self.block_manager.num_free_blocks
+        if missing > 0 and self.tree is not None and missing <= self.tree.num_evictable_blocks:
             for block in self.tree.evict(missing):
-                self.blocks.release(block)
-        return needed <= self.blocks.num_free_blocks
+                self.block_manager.release(block)
+        return needed <= self.block_manager.num_free_blocks
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> int:
         """Schedule ``num_new`` tokens of the sequence, growing its block table to hold them."""
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
-        batch.block_tables.append(self.blocks.grow(seq.request_id, seq.num_computed_tokens + num_new))
+        batch.block_tables.append(self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new))
         return num_new
 
     def _release(self, seq: Sequence) -> None:
         """Let go of the sequence's blocks and lock; what the tree holds stays cached."""
-        self.blocks.free(seq.request_id)
+        self.block_manager.free(seq.request_id)
         if seq.request_id in self.locked:
             self.tree.unlock(self.locked.pop(seq.request_id))
         seq.num_computed_tokens = 0
@@ -182,7 +183,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """free + cached + in-use blocks = the pool, and the tree is well formed."""
         cached = self.tree.cached_blocks() if self.tree is not None else []
-        self.blocks.check_integrity(cached)
+        self.block_manager.check_integrity(cached)
         if self.tree is not None:
             self.tree.check_integrity()
             assert self.tree.root.lock_ref == 1 + len(self.locked), "a lock was lost"

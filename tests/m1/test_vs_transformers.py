@@ -38,11 +38,12 @@ def hf_generate(hf, prompt: list[int], max_new_tokens: int):
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 
+@pytest.mark.parametrize("linear_backend", ["torch", "auto"])  # the reference F.linear, and the default CPU fast path
 @pytest.mark.parametrize("kind", KINDS)
-def test_tokens_and_logits_match_transformers(tiny_model_factory, kind):
+def test_tokens_and_logits_match_transformers(tiny_model_factory, kind, linear_backend):
     path = tiny_model_factory(kind)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", dtype="float32", max_model_len=512)
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=512, linear_backend=linear_backend)
     recorder = llm.engine.runner.sampler = RecordingSampler(llm.engine.runner.sampler)
     for prompt in varied_prompts(8):
         recorder.logits.clear()

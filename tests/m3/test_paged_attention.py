@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from milestones.m3.attention import AttentionContext, KernelBatch, attention
-from milestones.m3.decode_kernel import load_decode_kernel
+from milestones.kernels import load_decode_kernel
+from milestones.m3.attention import AttentionContext, KernelBatch, RequestSpan, attention
 from tests.conftest import needs_compiler
 
 HEADS, KV_HEADS, DIM, LAYERS = 6, 2, 16, 2
@@ -53,7 +53,7 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
         if use_kernel and n == 1:
             decodes.append((row, table, total))
         else:
-            spans.append((row, row + n, len(all_tables) * block_size, total))
+            spans.append(RequestSpan(row, row + n, table, total, first=len(all_tables) * block_size))
             all_tables += table
         row += n
     ctx = AttentionContext(k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables, dtype=torch.long), spans)

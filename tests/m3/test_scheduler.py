@@ -11,7 +11,8 @@ from milestones.m3.sequence import Sequence
 
 def make_seq(request_id: str, prompt_len: int) -> Sequence:
     prompt = list(range(prompt_len))
-    return Sequence(request_id, None, prompt, SamplingParams(max_tokens=4), seed=0, detokenizer=IncrementalDetokenizer(None, prompt, []))
+    detokenizer = IncrementalDetokenizer(None, prompt, [])
+    return Sequence(request_id, None, prompt, SamplingParams(max_tokens=4), seed=0, detokenizer=detokenizer)
 
 
 def test_admission_leaves_one_free_block_per_running_request():
@@ -22,7 +23,7 @@ def test_admission_leaves_one_free_block_per_running_request():
     batch = scheduler.schedule()
     # a: 2 blocks (8 free, 1 needed as headroom), b: 2 (4 free, 2 needed), c: 2 (2 free, 2 needed: no room for d)
     assert [s.request_id for s in batch.seqs] == ["0", "1", "2"]
-    assert scheduler.blocks.num_free_blocks == 4
+    assert scheduler.block_manager.num_free_blocks == 4
     # admitting "3" would leave 2 free blocks for 4 running requests
     assert [s.request_id for s in scheduler.waiting] == ["3", "4"]
 
@@ -32,5 +33,5 @@ def test_the_first_request_needs_no_headroom_and_the_second_waits_for_it():
     scheduler.add(make_seq("a", 12))  # 3 blocks for the prompt, 4 once its 4 tokens are out: fits the pool
     scheduler.add(make_seq("b", 4))  # 1 block: free, but it is the block "a" needs to grow
     batch = scheduler.schedule()
-    assert [s.request_id for s in batch.seqs] == ["a"] and scheduler.blocks.num_free_blocks == 1
+    assert [s.request_id for s in batch.seqs] == ["a"] and scheduler.block_manager.num_free_blocks == 1
     assert [s.request_id for s in scheduler.waiting] == ["b"]

@@ -27,7 +27,7 @@ def test_m3_matches_m2(tiny_model_path, workload, reference, block_size):
     llm = m3.LLM(tiny_model_path, block_size=block_size, **LIMITS)
     assert run(m3, llm, *workload) == reference
     assert llm.engine.kv_usage()["blocks_in_use"] == 0
-    llm.engine.scheduler.blocks.check_integrity()
+    llm.engine.scheduler.block_manager.check_integrity()
 
 
 @pytest.mark.parametrize("block_size, num_blocks", [(16, 12), (1, 170), (7, 25)])
@@ -37,7 +37,7 @@ def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, referen
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] >= 10, usage
     assert usage["blocks_free"] == num_blocks
-    llm.engine.scheduler.blocks.check_integrity()
+    llm.engine.scheduler.block_manager.check_integrity()
 
 
 @needs_compiler

@@ -1,9 +1,11 @@
-"""The radix tree alone (no torch): match, insert, split, locks, LRU eviction, and a property-based test."""
+"""The radix tree alone (no torch): match, insert, split, locks, LRU eviction, the read-only length query,
+the evictable-block count, and a property-based test."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,14 +45,52 @@ def test_locked_paths_are_never_evicted_and_eviction_is_lru():
     c, _ = tree.insert([4, 4], [4])
     tree.match_prefix([3, 3])  # touch b: now c is the least recently used
     tree.lock(a)
-    assert tree.num_evictable_blocks() == 2  # b and c; a's path is locked
+    assert tree.num_evictable_blocks == 2  # b and c; a's path is locked
     assert tree.evict(1) == [4]
     assert tree.evict(10) == [3]  # a's path is locked: nothing else can go
     tree.unlock(a)
-    assert tree.num_evictable_blocks() == 2
+    assert tree.num_evictable_blocks == 2
     assert sorted(tree.evict(10)) == [1, 2]  # leaf first, then its parent once it is a leaf
     assert tree.cached_blocks() == []
     tree.check_integrity()
+
+
+def test_cached_prefix_length_agrees_with_match_prefix_and_changes_nothing():
+    tree = RadixTree(BS)
+    tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
+    tree.insert([7, 7], [13])
+    before = _snapshot(tree)
+    prompts = [[1, 2, 3, 4, 9, 9], [1, 2, 3, 4, 5, 6, 0], [1, 2, 3], [7, 7, 7], [8, 8], []]
+    lengths = [tree.cached_prefix_length(p) for p in prompts]
+    assert lengths == [4, 6, 2, 2, 0, 0]
+    assert _snapshot(tree) == before  # the first prompt leaves an edge midway, yet nothing was split or touched
+    assert lengths == [len(tree.match_prefix(p)[0]) * BS for p in prompts]
+    assert _snapshot(tree) != before  # match_prefix, by contrast, splits the edge and stamps LRU times
+
+
+def test_evictable_count_follows_inserts_splits_locks_and_evictions():
+    tree = RadixTree(BS)
+    node, _ = tree.insert([1, 2, 3, 4, 5, 6], [1, 2, 3])
+    assert tree.num_evictable_blocks == 3
+    tree.lock(node)
+    assert tree.num_evictable_blocks == 0
+    tree.insert([1, 2, 9, 9], [4, 5])  # splits the locked edge after one block and hangs an unlocked leaf
+    assert tree.num_evictable_blocks == 1
+    tree.check_integrity()
+    tree.unlock(node)
+    assert tree.num_evictable_blocks == 4
+    assert tree.evict(1) == [2, 3] and tree.num_evictable_blocks == 2  # the least recently used leaf goes whole
+    assert sorted(tree.evict(10)) == [1, 5] and tree.num_evictable_blocks == 0
+    tree.check_integrity()
+
+
+def test_integrity_check_catches_a_wrong_evictable_count():
+    tree = RadixTree(BS)
+    tree.insert([1, 2, 3, 4], [1, 2])
+    tree.check_integrity()
+    tree.num_evictable_blocks += 1
+    with pytest.raises(AssertionError, match="num_evictable_blocks is 3 but 2 blocks are unlocked"):
+        tree.check_integrity()
 
 
 def test_split_keeps_lock_counts():
@@ -93,13 +133,16 @@ def test_random_operations_agree_with_a_simple_model(ops):
                     oracle[key] = block
                     assert block in adopted
         elif op in ("match", "lock"):
-            blocks, node = tree.match_prefix(tokens)
             expected = []
             for i in range(len(tokens) // BS):
                 key = tuple(tokens[: (i + 1) * BS])
                 if key not in oracle:
                     break
                 expected.append(oracle[key])
+            before = _snapshot(tree)
+            assert tree.cached_prefix_length(tokens) == len(expected) * BS
+            assert _snapshot(tree) == before, "the read-only query changed the tree"
+            blocks, node = tree.match_prefix(tokens)
             assert blocks == expected
             if op == "lock":
                 tree.lock(node)
@@ -115,10 +158,25 @@ def test_random_operations_agree_with_a_simple_model(ops):
                 del oracle[key]
         tree.check_integrity()
         assert sorted(tree.cached_blocks()) == sorted(oracle.values())
+        on_locked_paths = {b for node in locks for b in _path_blocks(node)}
+        assert tree.num_evictable_blocks == len(set(oracle.values()) - on_locked_paths)
     for node in locks:
         tree.unlock(node)
     tree.evict(10**6)
     assert tree.cached_blocks() == [] and tree.root.lock_ref == 1
+
+
+def _snapshot(tree):
+    """Every node as (the tokens from the root to its end, its blocks, lock count, LRU time): shape and state."""
+    return sorted((_prefix(n), tuple(n.blocks), n.lock_ref, n.last_access) for n in tree._nodes())
+
+
+def _prefix(node):
+    edges = []
+    while node.parent is not None:
+        edges.append(node.tokens)
+        node = node.parent
+    return sum(reversed(edges), ())
 
 
 def _path_blocks(node):

@@ -18,7 +18,8 @@ def shared_prefix_workload(num_requests: int, prefix_len: int, seed: int):
     system = [rng.randrange(3, 49152) for _ in range(prefix_len)]
     prompts = [system + [rng.randrange(3, 49152) for _ in range(rng.randint(1, 20))] for _ in range(num_requests)]
     settings = [
-        dict(max_tokens=rng.randint(1, 30), ignore_eos=True, seed=i, **({"temperature": 0} if i % 2 else {"temperature": 0.9, "top_p": 0.9}))
+        dict(max_tokens=rng.randint(1, 30), ignore_eos=True, seed=i,
+             **({"temperature": 0} if i % 2 else {"temperature": 0.9, "top_p": 0.9}))
         for i in range(num_requests)
     ]
     return prompts, settings
@@ -39,7 +40,9 @@ def mixed_reference(tiny_model_path, mixed):
     return run(m3, m3.LLM(tiny_model_path, **LIMITS), *mixed)
 
 
-@pytest.mark.parametrize("options", [{}, {"enable_prefix_caching": False}, {"scheduling_policy": "lpm"}, {"block_size": 1}])
+@pytest.mark.parametrize(
+    "options", [{}, {"enable_prefix_caching": False}, {"scheduling_policy": "lpm"}, {"block_size": 1}]
+)
 def test_m4_matches_m3_on_the_mixed_workload(tiny_model_path, mixed, mixed_reference, options):
     llm = m4.LLM(tiny_model_path, **LIMITS, **options)
     assert run(m4, llm, *mixed) == mixed_reference
@@ -74,7 +77,8 @@ def test_multi_turn_chat_reuses_every_previous_turn(tiny_model_path):
         if turn:  # everything before this turn's new message was computed in the previous turn
             assert out.num_cached_tokens >= (previous_len - 1) // 16 * 16, (turn, out.num_cached_tokens)
         previous_len = len(conversation) + len(out.outputs[0].token_ids)
-        conversation = conversation + out.outputs[0].token_ids + [rng.randrange(3, 49152) for _ in range(rng.randint(5, 15))]
+        next_message = [rng.randrange(3, 49152) for _ in range(rng.randint(5, 15))]
+        conversation = conversation + out.outputs[0].token_ids + next_message
     checked(llm)
 
 
@@ -116,7 +120,8 @@ def test_trap_same_prefix_inserted_by_two_running_requests(tiny_model_path):
         checked(llm)
     assert outputs["a"].outputs[0].token_ids == outputs["b"].outputs[0].token_ids
     assert outputs["a"].num_cached_tokens == outputs["b"].num_cached_tokens == 0
-    assert scheduler.blocks.num_free_blocks + len(scheduler.tree.cached_blocks()) == scheduler.blocks.num_blocks
+    block_manager = scheduler.block_manager
+    assert block_manager.num_free_blocks + len(scheduler.tree.cached_blocks()) == block_manager.num_blocks
 
 
 def test_trap_eviction_never_touches_locked_paths(tiny_model_path):
@@ -128,14 +133,17 @@ def test_trap_eviction_never_touches_locked_paths(tiny_model_path):
         engine.step()
     rng = random.Random(5)
     for _ in range(12):  # a stream of one-off prompts fills the cache and forces eviction
-        engine.add_request([rng.randrange(3, 49152) for _ in range(12)], m4.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        one_off = [rng.randrange(3, 49152) for _ in range(12)]
+        engine.add_request(one_off, m4.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
         checked(llm)
         if "long" in scheduler.locked:
-            table = scheduler.blocks.block_tables["long"]
-            assert all(scheduler.blocks.ref_count[b] > 0 for b in table)
-    reference = m3.LLM(tiny_model_path, **LIMITS).generate(long_runner, m3.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
+            table = scheduler.block_manager.block_tables["long"]
+            assert all(scheduler.block_manager.ref_count[b] > 0 for b in table)
+    reference = m3.LLM(tiny_model_path, **LIMITS).generate(
+        long_runner, m3.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False
+    )
     rerun = llm.generate(long_runner, m4.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False)
     assert rerun[0].outputs[0].token_ids == reference[0].outputs[0].token_ids
 
@@ -165,7 +173,8 @@ def test_m4_matches_m3_on_the_bundled_model_with_a_shared_system_prompt():
     limits = dict(device="cpu", max_model_len=320, max_num_seqs=6, max_num_batched_tokens=64)
     ref_llm, llm = m3.LLM(**limits), m4.LLM(**limits)
     system = "You are a careful assistant. Answer in one short sentence, and never use lists. " * 3
-    questions = ["What is the capital of Italy?", "Why is the sky blue?", "What is 7 times 8?", "Name a large mammal.", "What do bees make?", "How many legs has a spider?"]
+    questions = ["What is the capital of Italy?", "Why is the sky blue?", "What is 7 times 8?",
+                 "Name a large mammal.", "What do bees make?", "How many legs has a spider?"]
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
     params = [dict(temperature=0, max_tokens=24), dict(temperature=0.7, seed=3, max_tokens=24)] * 3
     ref = ref_llm.chat(chats, [m3.SamplingParams(**p) for p in params], use_tqdm=False)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from milestones import m2
-from milestones.m2 import packed_linear
-from milestones.m2.packed_linear import PackedLinear
+import milestones.kernels.packed_linear as packed_linear
+from milestones import m1, m2
+from milestones.kernels import PackedLinear
 from tests.m2.test_vs_m1 import mixed_workload, run
 
 CPU = torch.device("cpu")
@@ -35,6 +35,7 @@ def test_packing_swaps_every_decoder_linear_and_keeps_the_head(tiny_model_path):
     assert not any(isinstance(m, nn.Linear) for m in model.model.modules()), "an unpacked linear layer is left"
     assert sum(isinstance(m, PackedLinear) for m in model.model.modules()) == 7 * model.config.num_layers
     head = llm.engine.runner.compute_logits
+    assert head is llm.engine.runner.packed_lm_head
     assert isinstance(head, PackedLinear) and isinstance(model.lm_head, nn.Linear)
     hidden = torch.randn(5, model.config.hidden_size)
     torch.testing.assert_close(head(hidden), model.compute_logits(hidden), rtol=1e-5, atol=1e-4)
@@ -52,27 +53,40 @@ def test_the_backends_give_the_same_tokens(tiny_model_factory, kind):
     assert run(m2, llm, prompts, settings) == reference
 
 
+@needs_onednn
+def test_m1_packs_too_and_gives_the_same_tokens(tiny_model_path):
+    prompts, settings = mixed_workload(6, seed=13, max_prompt=60, max_output=24)
+    reference = run(m1, m1.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="torch"), prompts, settings)
+    llm = m1.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="onednn")
+    assert isinstance(llm.engine.runner.compute_logits, PackedLinear)
+    assert run(m1, llm, prompts, settings) == reference
+
+
 def test_auto_packs_only_on_a_cpu_in_float32(monkeypatch):
     monkeypatch.setattr(packed_linear, "onednn_available", lambda: True)
-    assert packed_linear.use_packed_linear("auto", CPU, torch.float32)
-    assert not packed_linear.use_packed_linear("auto", CPU, torch.bfloat16)
-    assert not packed_linear.use_packed_linear("auto", torch.device("cuda"), torch.float32)
-    assert not packed_linear.use_packed_linear("torch", CPU, torch.float32)
+    monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model: "packed head")
+    model = object()
+    assert packed_linear.pack_linear_layers_for("auto", model, CPU, torch.float32) == "packed head"
+    assert packed_linear.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) is None
+    assert packed_linear.pack_linear_layers_for("auto", model, torch.device("cuda"), torch.float32) is None
+    assert packed_linear.pack_linear_layers_for("torch", model, CPU, torch.float32) is None
 
 
 def test_auto_falls_back_to_f_linear_without_onednn(monkeypatch, tiny_model_path):
     monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
     with pytest.raises(RuntimeError, match="linear_backend='torch'"):
-        packed_linear.use_packed_linear("onednn", CPU, torch.float32)
+        packed_linear.pack_linear_layers_for("onednn", object(), CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain F.linear"):
         llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="auto")
+    assert llm.engine.runner.packed_lm_head is None
     assert not any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
     out = llm.generate([[5, 6, 7]], m2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_linear_backend_option_is_checked(tiny_model_path):
+@pytest.mark.parametrize("mod", [m1, m2], ids=["m1", "m2"])
+def test_linear_backend_option_is_checked(tiny_model_path, mod):
     with pytest.raises(ValueError, match="linear_backend must be one of"):
-        m2.LLM(tiny_model_path, device="cpu", linear_backend="mkl")
+        mod.LLM(tiny_model_path, device="cpu", linear_backend="mkl")
     with pytest.raises(ValueError, match="CPU in float32 only"):
-        m2.LLM(tiny_model_path, device="cpu", dtype="bfloat16", linear_backend="onednn")
+        mod.LLM(tiny_model_path, device="cpu", dtype="bfloat16", linear_backend="onednn")

@@ -1,5 +1,6 @@
 // Decode attention for many requests at once, compiled: the fast path behind
-// attention_backend="cpp" (see decode_kernel.py, which builds and loads it).
+// attention_backend="cpp" (decode_attention.py builds it and registers it as the
+// torch op milestones::decode_attention).
 //
 // Every request in the call has exactly one new query token, which sees its
 // whole cached context. torch on the CPU spends most of that time between
@@ -84,11 +85,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "decode_attention takes float32 tensors");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "q: [n, heads, dim]; k, v: [blocks, kv_heads, block_size, dim]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "q: [n, heads, dim]; k, v: [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(k.size(1) > 0 && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
               "head sizes differ, or heads is not a multiple of kv_heads");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "the last dimension of k and v must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "tables and lengths are int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "tables and lengths are int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && context_lens.numel() == q.size(0),
               "one block table row and one context length per query");
   q = q.contiguous();
@@ -96,7 +99,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   context_lens = context_lens.contiguous();
   const int64_t* lengths = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < context_lens.numel(); ++i)  // plain loops: torch reductions here would cost more than they check
+  // Plain loops: torch reductions here would cost more than they check.
+  for (int64_t i = 0; i < context_lens.numel(); ++i)
     TORCH_CHECK(lengths[i] >= 1 && lengths[i] <= block_tables.size(1) * k.size(2),
                 "every context holds at least one token, and no more than its block table covers");
   for (int64_t i = 0; i < block_tables.numel(); ++i)
@@ -111,6 +115,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention through block tables (float32, CPU)");
+// A dispatcher op rather than a Python binding, so that torch.compile sees one opaque call
+// (its shape rule, the "fake" implementation, is registered in decode_attention.py).
+TORCH_LIBRARY(milestones, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor block_tables, Tensor context_lens, float scale)"
+        " -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(milestones, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -6,15 +6,14 @@ import os
 import random
 import threading
 import time
-import types
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import milestones.kernels.decode_attention as decode_kernel
 from milestones import m2
-from milestones.m2 import decode_kernel
 from milestones.m2.attention import decode_attention
 from tests.conftest import needs_compiler
 from tests.m2.test_vs_m1 import mixed_workload, run
@@ -56,6 +55,24 @@ def test_kernel_refuses_bad_input_with_a_clear_error(kernel):
         kernel(q, k, v, torch.tensor([[2]]), lengths, 1.0)
     with pytest.raises(RuntimeError, match="at least one token"):
         kernel(q, k, v, table, torch.tensor([0]), 1.0)
+
+
+@needs_compiler
+def test_the_kernel_is_one_opaque_op_to_torch_compile(kernel):
+    """A registered op with a shape rule: torch.compile traces through it without a graph break."""
+    k = v = torch.randn(3, 2, 8, 16)
+    args = (torch.randn(2, 4, 16), k, v, torch.tensor([[2, 0], [1, 2]]), torch.tensor([5, 16]), 0.25)
+    torch.library.opcheck(torch.ops.milestones.decode_attention.default, args)
+    graphs = []
+
+    def count_graphs(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compiled = torch.compile(lambda *a: kernel(*a) * 2, backend=count_graphs, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(*args), kernel(*args) * 2)
+    assert len(graphs) == 1
+    assert "milestones.decode_attention" in str(graphs[0].graph)
 
 
 @needs_compiler
@@ -130,17 +147,17 @@ def test_the_build_waits_on_the_lock_torch_takes(monkeypatch, tmp_path):
         assert build_directory == cpp_extension._get_build_directory(name, verbose=False)
         assert not os.path.exists(os.path.join(build_directory, "lock")), "torch would wait on this lock forever"
         build_dirs.append(build_directory)
-        return types.SimpleNamespace(decode_attention="the kernel")
+        return "the library"
 
     monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
-    assert decode_kernel._build.__wrapped__() == "the kernel"  # __wrapped__: past the per-process cache
+    assert decode_kernel._build.__wrapped__() == "the library"  # __wrapped__: past the per-process cache
     lock = Path(build_dirs[0]) / "lock"
     assert lock.parent.parent == tmp_path
     lock.touch()  # left by a build that was killed long ago
     long_ago = time.time() - decode_kernel.STALE_LOCK_SECONDS - 1
     os.utime(lock, (long_ago, long_ago))
     with pytest.warns(UserWarning, match="did not finish"):
-        assert decode_kernel._build.__wrapped__() == "the kernel"
+        assert decode_kernel._build.__wrapped__() == "the library"
 
 
 def test_a_stale_lock_replaced_by_a_new_build_is_left_alone(tmp_path):

@@ -1,11 +1,13 @@
-"""Build and load the compiled decode-attention kernel (``decode_attention.cpp``).
+"""Build, load and register the compiled decode-attention kernel (``decode_attention.cpp``).
 
-The plain-torch attention in ``attention.py`` is the reference: it is what the
-lesson reads and what runs on CUDA. On the CPU its per-request operators cost
-more in dispatch than in arithmetic, so ``attention_backend="cpp"`` (and
-``"auto"``, the default, on a CPU in float32) hands every decoding request of a
-step to one compiled call instead. torch builds it with the machine's C++
-compiler the first time (~30 s) and caches it under ``~/.cache/torch_extensions``.
+The plain-torch attention in each milestone's ``attention.py`` is the reference: it
+is what the lesson reads and what runs on CUDA. On the CPU its per-request operators
+cost more in dispatch than in arithmetic, so ``attention_backend="cpp"`` (and
+``"auto"`` on a CPU in float32) hands every decoding request of a step to one
+compiled call instead. torch builds it with the machine's C++ compiler the first
+time and caches it under ``~/.cache/torch_extensions``. The library registers the
+op ``torch.ops.milestones.decode_attention``; its fake (shape-only) implementation
+below lets ``torch.compile`` trace through it as one opaque call.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ from pathlib import Path
 
 import torch
 
-from .config import ATTENTION_BACKENDS
-
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]  # fast-math lets the compiler vectorise the dot products
 
@@ -36,7 +36,8 @@ _build_error: Exception | None = None  # why the build failed in this process, i
 def _cpu_identity() -> bytes:
     """What -march=native compiles for: a cache shared with another CPU must not load this build."""
     try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features")))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith(("flags", "Features")))
     except (OSError, StopIteration):
         flags = platform.processor()
     return f"{platform.machine()} {flags}".encode()
@@ -47,15 +48,16 @@ def load_decode_kernel() -> DecodeKernel:
     global _build_error
     if _build_error is None:
         try:
-            return _build()
+            _build()
+            return _registered_op()
         except Exception as error:
             _build_error = error
     raise _build_error
 
 
 @functools.cache
-def _build() -> DecodeKernel:
-    """Compile (once per machine: the result is cached on disk) and import the kernel."""
+def _build() -> str:
+    """Compile (once per machine: the result is cached on disk) and load the library; return its path."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH
@@ -66,15 +68,28 @@ def _build() -> DecodeKernel:
     wait_for_build_lock(build_dir / "lock")
     if not (build_dir / f"{name}.so").exists():
         print("building the C++ decode-attention kernel (once per machine, ~30 s) ...", file=sys.stderr, flush=True)
-    module = cpp_extension.load_inline(  # inline: the copies in m2, m3, ... share one build
+    return cpp_extension.load_inline(  # loading the library defines the op torch.ops.milestones.decode_attention
         name=name,
         cpp_sources=[SOURCE.read_text()],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],  # the same libgomp torch already loaded
         build_directory=str(build_dir),
+        is_python_module=False,
         verbose=False,
     )
-    return module.decode_attention
+
+
+@functools.cache
+def _registered_op() -> DecodeKernel:
+    """The op the library defined, with its shape rule registered (once) for tracing."""
+    torch.library.register_fake("milestones::decode_attention", _decode_attention_shape)
+    return torch.ops.milestones.decode_attention.default
+
+
+def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """What the op returns, for tracing without running it: one output row per query, like q."""
+    return q.new_empty(q.shape)
 
 
 def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> None:
@@ -92,7 +107,8 @@ def wait_for_build_lock(lock: Path, max_age: float = STALE_LOCK_SECONDS, poll: f
         age = time.time() - seen.st_mtime
         if age >= max_age:
             if _remove_if_unchanged(lock, seen):
-                warnings.warn(f"removed {lock}, left {age:.0f} s ago by a kernel build that did not finish", stacklevel=1)
+                warnings.warn(f"removed {lock}, left {age:.0f} s ago by a kernel build that did not finish",
+                              stacklevel=1)
             return
         if not announced:
             print(f"waiting for another process's kernel build ({lock}) ...", file=sys.stderr, flush=True)
@@ -113,19 +129,19 @@ def _remove_if_unchanged(lock: Path, seen: os.stat_result) -> bool:
 
 
 def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:
-    """The kernel this engine should use, or None for plain-torch attention.
+    """The kernel an engine with this (already checked) ``attention_backend`` uses, or None for plain torch.
 
     ``"auto"`` falls back to torch with a warning when the kernel cannot be built
     (no compiler, say); ``"cpp"`` turns that into an error.
     """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch" or device.type != "cpu" or dtype != torch.float32:
-        return None  # config.resolve already refused "cpp" for anything but CPU float32
+        return None  # the engine's config already refused "cpp" for anything but CPU float32
     try:
         return load_decode_kernel()
     except Exception as error:  # a compiler error arrives as one of several exception types
         if backend == "cpp":
-            raise RuntimeError(f"could not build the C++ decode-attention kernel ({error}); use attention_backend='torch'") from error
+            raise RuntimeError(
+                f"could not build the C++ decode-attention kernel ({error}); use attention_backend='torch'"
+            ) from error
         warnings.warn(f"C++ decode-attention kernel unavailable ({error}); using plain-torch attention", stacklevel=2)
         return None

@@ -1,0 +1,75 @@
+"""Linear layers whose weights are packed once for oneDNN: the CPU fast path behind ``linear_backend``.
+
+On a CPU, matrix products are most of a step's time. ``F.linear`` hands the weight
+to the BLAS in the checkpoint's ``[out, in]`` layout, and the BLAS re-arranges
+panels of it into the blocked order its inner kernel streams, on every call.
+oneDNN can do that re-arrangement once, at load time (``_reorder_linear_weight``),
+then read the packed weight straight through (``_linear_pointwise``); the packed
+tensor is opaque, usable only by oneDNN. vLLM's CPU backend packs its linear
+layers the same way. The arithmetic is the same, but oneDNN sums in its own order,
+so results differ from ``F.linear``'s in the last bits. What it buys is measured on
+the benchmarks page. The packed LM head is a second copy of the head (the embedding
+keeps the original); the decoder's packed weights replace the originals.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+
+# --8<-- [start:packed_linear]
+class PackedLinear(nn.Module):
+    """``nn.Linear``'s forward over a weight packed for oneDNN; the original weight is not kept."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_linear_layers(model: nn.Module) -> PackedLinear:
+    """Swap every linear layer of the decoder for a packed one; return a packed copy of the LM head.
+
+    The LM head itself stays in the model (it may share its weight with the
+    embedding); the runner calls the packed copy instead of ``compute_logits``.
+    """
+    for parent in list(model.model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child))
+    return PackedLinear(model.lm_head)
+# --8<-- [end:packed_linear]
+
+
+def onednn_available() -> bool:
+    """Whether this torch build carries oneDNN's packed linear ops (x86 builds do)."""
+    ops = ("_reorder_linear_weight", "_linear_pointwise")
+    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
+
+
+def pack_linear_layers_for(
+    backend: str, model: nn.Module, device: torch.device, dtype: torch.dtype
+) -> PackedLinear | None:
+    """Pack the model's linear layers if this (already checked) ``linear_backend`` asks for it; return the packed head.
+
+    None means the model was left as it is. ``"auto"`` packs on a CPU in float32
+    when oneDNN is there and keeps plain ``F.linear`` otherwise, with a warning if
+    only oneDNN was missing; ``"onednn"`` makes a missing oneDNN an error.
+    """
+    if backend == "torch" or device.type != "cpu" or dtype != torch.float32:
+        return None  # the engine's config already refused "onednn" for anything but CPU float32
+    if onednn_available():
+        return pack_linear_layers(model)
+    if backend == "onednn":
+        raise RuntimeError(
+            "this torch build lacks oneDNN's packed linear ops (torch.ops.mkldnn); use linear_backend='torch'"
+        )
+    warnings.warn("this torch build lacks oneDNN's packed linear ops; linear layers use plain F.linear", stacklevel=2)
+    return None
