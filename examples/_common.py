@@ -183,14 +183,16 @@ class EngineWatch:
         self.max_batch = 0
         self.high: dict[str, float] = {}  # the largest value of each kv_usage() entry seen
         self.low: dict[str, float] = {}  # and the smallest
-        self.preempted: list[tuple[int, str]] = []  # (step, counting from 1; request id): sent from running back to waiting
+        # (step, counting from 1; request id): sent from running back to waiting
+        self.preempted: list[tuple[int, str]] = []
         scheduler = engine.scheduler
         schedule, step, steps0 = scheduler.schedule, engine.step, engine.num_steps
 
         def watched_schedule():
             running = {seq.request_id for seq in scheduler.running}
             batch = schedule()
-            self.preempted += [(engine.num_steps + 1, seq.request_id) for seq in scheduler.waiting if seq.request_id in running]
+            self.preempted += [(engine.num_steps + 1, seq.request_id)
+                               for seq in scheduler.waiting if seq.request_id in running]
             if batch is not None:
                 self.max_batch = max(self.max_batch, len(batch.seqs))
                 self._sample()  # blocks are at their fullest just after scheduling

@@ -34,16 +34,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                    help="a prompt; repeat the flag for several (default: three short chat questions)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap each prompt as a user message with the tokenizer's chat template (use --no-chat for raw completion)")
+                   help="wrap each prompt as a user message with the tokenizer's chat template "
+                        "(use --no-chat for raw completion)")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (always the most likely token)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens with this much probability")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest set of tokens with this much probability")
     p.add_argument("--top-k", type=int, default=-1, help="keep only the k most likely tokens; -1 keeps all")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (the same seed gives the same text)")
     p.add_argument("--device", default=None, help="cpu or cuda; default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations; default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output; default: the model's own limit")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output; default: the model's own limit")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads; default: torch's choice (on a busy machine, 1 is often much faster)")
     p.add_argument("--stream", action="store_true",
@@ -59,7 +62,8 @@ def build_prompts(llm, args) -> list[list[int]]:
         return [tokenizer.encode(t) for t in texts]
     out = []
     for text in texts:
-        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
         out.append(tokenizer.encode(templated, add_special_tokens=False))
     return out
 
@@ -110,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, **kwargs)
     load_s = time.perf_counter() - t0
     cfg = llm.engine.config
-    print(f"loaded {args.model or 'the bundled SmolLM2-135M-Instruct'} on {cfg.device} ({str(cfg.dtype).replace('torch.', '')}) "
-          f"in {fmt_seconds(load_s)}")
+    print(f"loaded {args.model or 'the bundled SmolLM2-135M-Instruct'} on {cfg.device} "
+          f"({str(cfg.dtype).replace('torch.', '')}) in {fmt_seconds(load_s)}")
 
     texts = args.prompt or DEFAULT_CHAT_PROMPTS
     prompts = build_prompts(llm, args)

@@ -47,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser, prompts: str = "eight built-in que
                         "(default: one request per prompt)")
     p.add_argument("--max-tokens", type=int, default=80, help="most tokens to generate per request")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy (always the most likely token)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the engine (each request's sampling) and the varied max_tokens")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the engine (each request's sampling) and the varied max_tokens")
     p.add_argument("--device", default=None, help="cpu or cuda; default: cuda if available, else cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights and activations; default: bfloat16 on cuda, float32 on cpu")
@@ -57,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser, prompts: str = "eight built-in que
                    help="most tokens computed in one step (decodes + prefill chunks); default: the engine's (512)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads; default: one per idle core (torch's own choice on an idle machine)")
-    p.add_argument("--show", type=_non_negative_int, default=8, help="print the completions of this many requests (0: none)")
+    p.add_argument("--show", type=_non_negative_int, default=8,
+                   help="print the completions of this many requests (0: none)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,7 +130,8 @@ def print_completions(texts, outputs, show: int, notes: list[str] | None = None)
         print(f"\n[{i}] prompt: {text}")
         print(f"[{i}] completion: {body}")
         print(f"[{i}] {len(out.prompt_token_ids)} prompt tokens, {len(completion.token_ids)} generated, "
-              f"finish reason: {completion.finish_reason}, time to first token {fmt_seconds(out.metrics.time_to_first_token)}{note}")
+              f"finish reason: {completion.finish_reason}, "
+              f"time to first token {fmt_seconds(out.metrics.time_to_first_token)}{note}")
     if 0 < show < len(outputs):
         print(f"\n... and {len(outputs) - show} more requests (--show N prints more)")
 

@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Generate for a batch of chat prompts with milestone 3 (paged KV cache, preemption by recompute) "
                     "and print how the block pool was used.",
-        epilog="Examples: `%(prog)s --num-kv-blocks 64` (no preemption), `%(prog)s --kv-cache-memory-mb 64 --num-prompts 32`.",
+        epilog="Examples: `%(prog)s --num-kv-blocks 64` (no preemption), "
+               "`%(prog)s --kv-cache-memory-mb 64 --num-prompts 32`.",
         formatter_class=HelpFormatter,
     )
     add_arguments(p)
@@ -58,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm, load_s = load(LLM, args)
         cfg = llm.engine.config
-        print(f"KV pool: {cfg.num_kv_blocks} blocks of {cfg.block_size} tokens = {cfg.num_kv_blocks * cfg.block_size} tokens "
-              f"({fmt_bytes(llm.engine.runner.kv_cache_bytes)}) shared by up to {cfg.max_num_seqs} running requests")
+        print(f"KV pool: {cfg.num_kv_blocks} blocks of {cfg.block_size} tokens = "
+              f"{cfg.num_kv_blocks * cfg.block_size} tokens ({fmt_bytes(llm.engine.runner.kv_cache_bytes)}) "
+              f"shared by up to {cfg.max_num_seqs} running requests")
         texts, prompts, max_tokens = build_requests(llm, args)
         outputs, wall_s, watch = generate(llm, SamplingParams, args, prompts, max_tokens)
     except ValueError as err:  # a bad option, a request that can never fit in the pool, a prompt too long

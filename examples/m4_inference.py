@@ -98,12 +98,14 @@ def run(LLM, SamplingParams, args, enable_prefix_caching: bool, show: int) -> di
     num_cached = sum(o.num_cached_tokens for o in outputs)
     misses = [i for i, o in enumerate(outputs) if o.num_cached_tokens == 0]
     print(f"\nsummary (m4, {label}; scheduling_policy={cfg.scheduling_policy}, {cfg.num_kv_blocks} blocks of "
-          f"{cfg.block_size} tokens, max_num_seqs={cfg.max_num_seqs}, max_num_batched_tokens={cfg.max_num_batched_tokens}):")
+          f"{cfg.block_size} tokens, max_num_seqs={cfg.max_num_seqs}, "
+          f"max_num_batched_tokens={cfg.max_num_batched_tokens}):")
     print_totals(outputs, wall_s, watch, load_s)
     print(f"  prompt computed:   {num_prompt - num_cached} of {num_prompt} prompt tokens "
           f"({num_cached} taken from the prefix cache)")
     if enable_prefix_caching:
-        print(f"  hit rate:          {usage['prefix_hit_rate']:.0%} of the prompt tokens admitted were found in the cache")
+        print(f"  hit rate:          {usage['prefix_hit_rate']:.0%} of the prompt tokens admitted were found "
+              "in the cache")
         start = min(o.metrics.first_scheduled_time for o in outputs)
         first_step = [str(i) for i in misses if outputs[i].metrics.first_scheduled_time == start]
         if first_step and len(misses) < len(outputs):
@@ -112,8 +114,9 @@ def run(LLM, SamplingParams, args, enable_prefix_caching: bool, show: int) -> di
         print(f"  blocks cached:     {usage['blocks_cached']} blocks stay in the tree after the run, "
               "for whichever request comes next")
     print(f"  preemptions:       {usage['num_preemptions']}")
-    result = {"enabled": enable_prefix_caching, "wall_s": wall_s, "computed": num_prompt - num_cached, "prompt": num_prompt,
-              "hit_rate": usage["prefix_hit_rate"], "ttft": statistics.mean(o.metrics.time_to_first_token for o in outputs),
+    result = {"enabled": enable_prefix_caching, "wall_s": wall_s, "computed": num_prompt - num_cached,
+              "prompt": num_prompt, "hit_rate": usage["prefix_hit_rate"],
+              "ttft": statistics.mean(o.metrics.time_to_first_token for o in outputs),
               "tokens": [list(o.outputs[0].token_ids) for o in outputs]}
     del llm, outputs, watch
     gc.collect()  # give the KV pool back before the next engine allocates its own
@@ -124,7 +127,8 @@ def compare(on: dict, off: dict, greedy: bool) -> None:
     print("\ncomparison (the same requests, one engine each):")
     print(f"  {'':26}{'prefix cache on':>18}{'prefix cache off':>18}")
     for name, key, fmt in [("wall time", "wall_s", fmt_seconds), ("mean time to first token", "ttft", fmt_seconds),
-                           ("prompt tokens computed", "computed", str), ("prefix hit rate", "hit_rate", "{:.0%}".format)]:
+                           ("prompt tokens computed", "computed", str),
+                           ("prefix hit rate", "hit_rate", "{:.0%}".format)]:
         print(f"  {name:26}{fmt(on[key]):>18}{fmt(off[key]):>18}")
     print(f"  the cache spared {1 - on['computed'] / off['computed']:.0%} of the prefill work "
           f"({off['computed'] - on['computed']} of {off['computed']} prompt tokens)")
@@ -135,15 +139,15 @@ def compare(on: dict, off: dict, greedy: bool) -> None:
         print(f"  outputs: identical, token for token, for all {len(same)} requests (greedy): reused KV is the same KV")
     else:
         bad = [str(i) for i, s in enumerate(same) if not s]
-        print(f"  outputs: requests {', '.join(bad)} differ; with greedy sampling only a floating-point near-tie between "
-              "the two runs' batch shapes could explain it")
+        print(f"  outputs: requests {', '.join(bad)} differ; with greedy sampling only a floating-point near-tie "
+              "between the two runs' batch shapes could explain it")
 
 
 def _common_prefix_len(prompts: list[list[int]]) -> int:
     first = prompts[0]
     n = len(first)
     for p in prompts[1:]:
-        n = next((i for i, (a, b) in enumerate(zip(first[:n], p)) if a != b), min(n, len(p)))
+        n = next((i for i, (a, b) in enumerate(zip(first[:n], p, strict=False)) if a != b), min(n, len(p)))
     return n
 
 
@@ -158,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             on, off = (first, second) if first["enabled"] else (second, first)
             compare(on, off, args.temperature == 0)
         else:
-            print(f"\n(--compare runs the same requests again with the prefix cache {'off' if first['enabled'] else 'on'})")
+            other = "off" if first["enabled"] else "on"
+            print(f"\n(--compare runs the same requests again with the prefix cache {other})")
     except ValueError as err:  # a bad option, or a prompt + max_tokens that does not fit
         print(f"error: {err}", file=sys.stderr)
         return 2

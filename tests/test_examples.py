@@ -6,32 +6,47 @@ scripts work, not how fast anything is: timings are never asserted.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
-from milestones import MILESTONES
-from milestones.m2.packed_linear import onednn_available
+from milestones import MILESTONES, m2
+from milestones.kernels import onednn_available
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     return proc
+
+
+def import_bench(module: str) -> ModuleType:
+    """examples/bench/<module>, imported the way examples/benchmark.py imports it (with examples/ on sys.path)."""
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    try:
+        return importlib.import_module(f"bench.{module}")
+    finally:
+        sys.path.remove(str(REPO_ROOT / "examples"))
 
 
 @pytest.mark.parametrize("mode", ["generate", "stream"])
 def test_m1_inference_runs(tiny_model_path, mode):
     extra = ["--stream"] if mode == "stream" else []
     proc = run_script("examples/m1_inference.py", "--model", str(tiny_model_path), "--device", "cpu",
-                      "--prompt", "Hello there", "--prompt", "What is 2+2?", "--max-tokens", "4", "--threads", "1", *extra)
+                      "--prompt", "Hello there", "--prompt", "What is 2+2?", "--max-tokens", "4", "--threads", "1",
+                      *extra)
     out = proc.stdout
     assert "[0] prompt: Hello there" in out and "[1] prompt: What is 2+2?" in out
     assert "[0] completion:" in out and "[1] completion:" in out
@@ -41,16 +56,17 @@ def test_m1_inference_runs(tiny_model_path, mode):
 
 def test_m1_inference_help():
     proc = run_script("examples/m1_inference.py", "--help")
-    for flag in ("--model", "--prompt", "--no-chat", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stream"):
+    for flag in ("--model", "--prompt", "--no-chat", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+                 "--stream"):
         assert flag in proc.stdout
 
 
 def test_benchmark_tiny(tiny_model_path, tmp_path):
     out = tmp_path / "bench.json"
     run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--engines", "all",
-               "--workloads", "decode,mixed", "--runs", "1", "--threads", "1", "--decode-tokens", "8", "--decode-prompt-len", "12",
-               "--num-requests", "4", "--prompt-len-range", "8,24", "--output-len-range", "4,12", "--hf-batch-size", "2",
-               "--out", str(out), "--plot")
+               "--workloads", "decode,mixed", "--runs", "1", "--threads", "1", "--decode-tokens", "8",
+               "--decode-prompt-len", "12", "--num-requests", "4", "--prompt-len-range", "8,24",
+               "--output-len-range", "4,12", "--hf-batch-size", "2", "--out", str(out), "--plot")
     data = json.loads(out.read_text())
     assert {"machine", "config", "results"} <= set(data)
     assert {"cpu_count", "torch", "transformers", "device"} <= set(data["machine"])
@@ -71,7 +87,8 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
         mixed = rows[("mixed", m)]
         assert mixed["num_requests"] == 4 and mixed["kv_reserved_mb"] > 0
         assert rows[("decode", m)]["output_tokens"] == 8 and "ratio_to_hf" in rows[("decode", m)]
-    assert rows[("mixed", "hf-static-2")]["output_tokens"] == rows[("mixed", "m1")]["output_tokens"]  # the same wanted tokens
+    # the same wanted tokens
+    assert rows[("mixed", "hf-static-2")]["output_tokens"] == rows[("mixed", "m1")]["output_tokens"]
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -80,7 +97,8 @@ def test_benchmark_mixed_runs_report_the_median_pass(tiny_model_path, tmp_path):
     out = tmp_path / "bench.json"
     stdout = run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
                         "--engines", "m2,hf-static", "--workloads", "mixed", "--mixed-runs", "3", "--num-requests", "4",
-                        "--prompt-len-range", "8,24", "--output-len-range", "4,12", "--hf-batch-size", "2", "--out", str(out)).stdout
+                        "--prompt-len-range", "8,24", "--output-len-range", "4,12", "--hf-batch-size", "2",
+                        "--out", str(out)).stdout
     rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
     for row in rows.values():
         assert row["status"] == "ok", row["error"]
@@ -97,8 +115,9 @@ def test_benchmark_passes_do_not_share_a_prefix_cache(tiny_model_path, tmp_path)
     """Each pass after the first gets a new engine: m4's second pass must not find the prompts already cached."""
     out = tmp_path / "bench.json"
     run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
-               "--engines", "m4", "--workloads", "shared", "--mixed-runs", "2", "--num-requests", "4", "--max-num-seqs", "1",
-               "--shared-prefix-len", "48", "--shared-output-len-range", "4,8", "--out", str(out))
+               "--engines", "m4", "--workloads", "shared", "--mixed-runs", "2", "--num-requests", "4",
+               "--max-num-seqs", "1", "--shared-prefix-len", "48", "--shared-output-len-range", "4,8",
+               "--out", str(out))
     (row,) = json.loads(out.read_text())["results"]
     computed = [run["prompt_tokens_computed"] for run in row["runs"]]
     assert computed[0] == computed[1] < row["prompt_tokens"], computed  # the shared prefix is reused within a pass only
@@ -112,7 +131,8 @@ def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
                "--prompt-len-range", "8,24", "--output-len-range", "4,8", "--out", str(out))
     rows = {r["engine"]: r for r in json.loads(out.read_text())["results"]}
     plain, m3 = rows["m2@torch+linear-torch"], rows["m3@linear-torch"]
-    assert plain["engine_config"]["attention_backend"] == "torch" and plain["engine_config"]["linear_backend"] == "torch"
+    assert plain["engine_config"]["attention_backend"] == "torch"
+    assert plain["engine_config"]["linear_backend"] == "torch"
     assert not plain["decode_kernel"] and not plain["packed_linear"] and not m3["packed_linear"]
     assert rows["m2"]["engine_config"]["linear_backend"] == "auto" and rows["m2"]["packed_linear"] is onednn_available()
     proc = subprocess.run([sys.executable, "examples/benchmark.py", "--engines", "m2@torch+fast"], cwd=REPO_ROOT,
@@ -124,27 +144,54 @@ def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
 
 
 def test_median_run_picks_the_middle_pass():
-    sys.path.insert(0, str(REPO_ROOT / "examples"))
-    try:
-        benchmark = importlib.import_module("benchmark")
-    finally:
-        sys.path.remove(str(REPO_ROOT / "examples"))
+    median_run = import_bench("rows").median_run
 
     def passes(speeds, tokens=None):
-        rows = iter({"output_tokens_per_s": s, "wall_s": 1 / s, "_tokens": t} for s, t in zip(speeds, tokens or [[[7]]] * len(speeds)))
+        tokens = tokens or [[[7]]] * len(speeds)
+        rows = iter({"output_tokens_per_s": s, "wall_s": 1 / s, "_tokens": t}
+                    for s, t in zip(speeds, tokens, strict=True))
         return lambda: next(rows)
 
-    row = benchmark.median_run(passes([3.0, 1.0, 2.0]), 3)
+    row = median_run(passes([3.0, 1.0, 2.0]), 3)
     assert row["output_tokens_per_s"] == 2.0 and [r["tokens_per_s"] for r in row["runs"]] == [3.0, 1.0, 2.0]
     assert row["runs_same_tokens"] is True
-    assert benchmark.median_run(passes([4.0, 1.0, 3.0, 2.0]), 4)["output_tokens_per_s"] == 2.0  # even: the slower middle
-    assert benchmark.median_run(passes([5.0]), 1)["runs"] == [{"wall_s": 0.2, "tokens_per_s": 5.0}]
-    assert benchmark.median_run(passes([1.0, 2.0], tokens=[[[1]], [[2]]]), 2)["runs_same_tokens"] is False
+    assert median_run(passes([4.0, 1.0, 3.0, 2.0]), 4)["output_tokens_per_s"] == 2.0  # even: the slower middle
+    assert median_run(passes([5.0]), 1)["runs"] == [{"wall_s": 0.2, "tokens_per_s": 5.0}]
+    assert median_run(passes([1.0, 2.0], tokens=[[[1]], [[2]]]), 2)["runs_same_tokens"] is False
+
+
+def test_benchmark_reads_kv_usage_outside_the_timed_region(tiny_model_path, monkeypatch):
+    """A pass's wall time counts the engine's steps, not the benchmark's kv_usage() reads between them."""
+    workloads, rows, milestone_rows = import_bench("workloads"), import_bench("rows"), import_bench("milestone_rows")
+
+    class JumpingClock:  # the benchmark's clock, pushed an hour ahead by every kv_usage() read
+        hours = 0
+
+        def perf_counter(self) -> float:
+            return time.perf_counter() + 3600 * self.hours
+
+    clock = JumpingClock()
+    monkeypatch.setattr(milestone_rows, "time", clock)
+    llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=64)
+    real_kv_usage = llm.engine.kv_usage
+
+    def kv_usage_taking_an_hour() -> dict:
+        clock.hours += 1
+        return real_kv_usage()
+
+    llm.engine.kv_usage = kv_usage_taking_an_hour
+    requests = [workloads.Request(list(range(100, 110 + i)), max_tokens=4) for i in range(3)]
+    setup = workloads.Setup(argparse.Namespace(m1_requests=0), tiny_model_path, torch.device("cpu"), torch.float32,
+                            workloads.Workloads([], requests, []), max_model_len=64, kv_bytes_per_token=0)
+    row = milestone_rows.mixed_row(rows.MilestoneRow("m2", "m2", {}), m2, llm, setup, "mixed")
+    assert clock.hours == row["steps"] > 0  # one read after every step ...
+    assert row["wall_s"] < 3600  # ... and none of them on the clock
+    assert row["output_tokens"] == 12 and row["kv_peak_mb"] > 0 and row["max_running"] == 3
 
 
 def test_benchmark_rejects_zero_runs():
-    proc = subprocess.run([sys.executable, "examples/benchmark.py", "--mixed-runs", "0"], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "examples/benchmark.py", "--mixed-runs", "0"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--mixed-runs must be >= 1" in proc.stderr
 
 
@@ -157,6 +204,13 @@ def summary_value(out: str, name: str) -> str:
     match = re.search(rf"^\s+{re.escape(name)}:\s+(.*)$", out, re.M)
     assert match, f"no {name!r} line in\n{out}"
     return match.group(1)
+
+
+def test_bench_quickstart(tiny_model_path):
+    out = run_script("examples/bench_quickstart.py", str(tiny_model_path)).stdout
+    speeds = re.findall(r"^(m1|m2): 256 output tokens in [\d.]+ s = ([\d.]+) tokens/s$", out, re.M)
+    assert [name for name, _ in speeds] == ["m1", "m2"] and all(float(s) > 0 for _, s in speeds), out
+    assert "same tokens in m1 and m2: 8 of 8 prompts" in out  # greedy on the same model: the same tokens
 
 
 def test_m2_inference_default_prompts(tiny_model_path):

@@ -1,0 +1,192 @@
+"""The command line: parse and check the flags, build the workloads once, run every row, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from _common import REPO_ROOT, HelpFormatter
+
+from milestones import MILESTONES
+
+from .rows import HF_CB_DEFAULTS, HF_ROWS, MilestoneRow
+from .workloads import WORKLOADS, Setup, build_workloads, fitting_max_model_len
+
+DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
+POSITIVE_FLAGS = ("decode_tokens", "decode_prompt_len", "runs", "num_requests", "hf_batch_size", "mixed_runs")
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """LO,HI with 1 <= LO <= HI, e.g. --prompt-len-range 16,256."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers LO,HI, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Benchmark the milestones against each other and against transformers, in one process.",
+        epilog=f"Milestones available: {', '.join(MILESTONES)}. Rows for transformers: {', '.join(HF_ROWS)} "
+               "('hf' = all three).",
+        formatter_class=HelpFormatter,
+    )
+    g = p.add_argument_group("what to run")
+    g.add_argument("--engines", default="all",
+                   help="comma-separated rows: milestone names (m1,m2,...), 'hf' or "
+                        "hf-generate/hf-static/hf-continuous; 'all' = every milestone + hf")
+    g.add_argument("--workloads", default="decode,mixed", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+    g.add_argument("--model", default=None, help="local folder or hub id; default: the bundled SmolLM2-135M-Instruct")
+    g.add_argument("--device", default=None, help="cpu or cuda; default: cuda if available, else cpu")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="for every row; default: bfloat16 on cuda, float32 on cpu")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for the whole run; default: torch's choice")
+    g.add_argument("--seed", type=int, default=0, help="seeds the workload and the engines")
+
+    g = p.add_argument_group("decode workload")
+    g.add_argument("--decode-tokens", type=int, default=128, help="forced output tokens per run")
+    g.add_argument("--decode-prompt-len", type=int, default=32, help="prompt length in tokens")
+    g.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+
+    g = p.add_argument_group("mixed workload")
+    g.add_argument("--num-requests", type=int, default=64, help="requests, all submitted at once")
+    g.add_argument("--prompt-len-range", type=int_range, default="16,256", metavar="LO,HI",
+                   help="prompt tokens, uniform")
+    g.add_argument("--output-len-range", type=int_range, default="32,256", metavar="LO,HI",
+                   help="output tokens, uniform")
+    g.add_argument("--m1-requests", type=int, default=16,
+                   help="m1 runs only this prefix of the requests (it runs one at a time, so a full run is slow); "
+                        "0 = all")
+    g.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static row")
+    g.add_argument("--mixed-runs", type=int, default=1,
+                   help="timed runs of the mixed and shared workloads per row; the run with the median throughput is "
+                        "reported")
+
+    g = p.add_argument_group("shared-prefix workload (milestone rows only)")
+    g.add_argument("--shared-prefix-len", type=int, default=600,
+                   help="tokens of the system prompt every request shares")
+    g.add_argument("--shared-output-len-range", type=int_range, default="32,128", metavar="LO,HI",
+                   help="output tokens, uniform")
+
+    g = p.add_argument_group("engine options (passed only to milestones whose EngineConfig has them)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests running at once; default: the milestone's own "
+                        f"(hf-continuous: {HF_CB_DEFAULTS['max_num_seqs']})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step; default: the milestone's own "
+                        f"(hf-continuous: {HF_CB_DEFAULTS['max_num_batched_tokens']})")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the smallest that fits the selected workloads (max prompt + max output)")
+    g.add_argument("--tight-kv", type=int, default=None, metavar="N",
+                   help="a tight KV memory budget of N * max_model_len tokens: m2 gets N slots (max_num_seqs=N), "
+                        "paged milestones get the same bytes as a block pool (kv_cache_memory_bytes) and "
+                        "--max-num-seqs")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, default=Path("bench_results/benchmark.json"), help="JSON results file")
+    g.add_argument("--plot", action="store_true", help="also write a bar chart next to the JSON (same name, .png)")
+    g.add_argument("--docs", action="store_true",
+                   help=f"write JSON and plot into {DOCS_DIR.relative_to(REPO_ROOT)}/ for the docs")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; adds the rows to run, in order, each once: ``milestone_rows`` and ``hf_rows``.
+
+    ``milestones`` keeps the milestone rows' names, for the JSON.
+    """
+    p = build_parser()
+    args = p.parse_args(argv)
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in args.workloads if w not in WORKLOADS]
+    if bad or not args.workloads:
+        p.error(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS)}")
+    engines: list[str] = []
+    for name in (e.strip() for e in args.engines.split(",") if e.strip()):
+        expanded = [*MILESTONES, *HF_ROWS] if name == "all" else HF_ROWS if name == "hf" else [name]
+        engines += [e for e in expanded if e not in engines]
+    try:
+        args.milestone_rows = [MilestoneRow.parse(e, MILESTONES) for e in engines if e not in HF_ROWS]
+    except ValueError as err:
+        p.error(str(err))
+    args.milestones = [row.name for row in args.milestone_rows]
+    args.hf_rows = [e for e in engines if e in HF_ROWS]
+    for flag in POSITIVE_FLAGS:
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.docs:
+        args.out, args.plot = DOCS_DIR / "benchmark.json", True
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # torch and transformers load only once the flags are known good: --help and mistakes answer at once.
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from milestones.model_store import resolve_model
+
+    from . import hf_rows, milestone_rows, plots, report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model_path = resolve_model(args.model)
+    workloads = build_workloads(AutoTokenizer.from_pretrained(model_path), args)
+    setup = Setup(args, model_path, device, dtype, workloads,
+                  max_model_len=args.max_model_len or fitting_max_model_len(args, workloads),
+                  kv_bytes_per_token=hf_rows.kv_bytes_per_token(AutoConfig.from_pretrained(model_path), dtype))
+    results = report.new_results(setup, sys.argv[1:] if argv is None else argv)
+    print_preamble(setup, results)
+
+    rows = []
+    for row in args.milestone_rows:
+        rows += milestone_rows.run_milestone(row, setup)
+    rows += hf_rows.run_transformers(setup)
+    report.add_ratios_to_hf(rows, args.hf_batch_size)
+    report.token_agreement(rows)
+    load = report.load_average()
+    if load is not None:
+        results["machine"]["load_average_at_end"] = load
+    results["results"] = rows
+
+    print()
+    report.print_table(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    if args.plot:
+        png = args.out.with_suffix(".png")
+        plots.write_plot(results, png)
+        print(f"wrote {png}")
+    failed = [r["engine"] for r in rows if r["status"] != "ok"]
+    if failed:
+        print(f"note: some rows failed and were skipped ({', '.join(failed)}); their errors are in the JSON")
+    return 0
+
+
+def print_preamble(setup: Setup, results: dict) -> None:
+    """What is about to run, and a warning when the machine is already busy (CPU numbers would be noisy)."""
+    args, requests, config, machine = setup.args, setup.workloads.mixed, results["config"], results["machine"]
+    print(f"benchmark: {config['model']} on {setup.device} ({config['dtype']}), {os.cpu_count()} CPUs, "
+          f"torch {machine['torch']}; workloads {', '.join(args.workloads)}; "
+          f"rows {', '.join(args.milestones + args.hf_rows)}", flush=True)
+    load = machine.get("load_average_at_start", [0.0])[0]
+    if load > 1.0 and setup.device.type == "cpu":
+        print(f"note: the machine is busy (load average {load:.1f} on {os.cpu_count()} CPUs): CPU numbers will be "
+              "noisy; with other processes competing, --threads 1 is often much faster than torch's default",
+              flush=True)
+    if "mixed" in args.workloads:
+        m1_partial = "m1" in args.milestones and 0 < args.m1_requests < len(requests)
+        print(f"mixed workload: {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests)} prompt tokens, "
+              f"{sum(r.max_tokens for r in requests)} output tokens"
+              + (f"; m1 runs the first {args.m1_requests} only" if m1_partial else ""), flush=True)

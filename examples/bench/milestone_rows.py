@@ -1,0 +1,170 @@
+"""Milestone rows: each milestone through its own API, imported by name, so a new milestone needs no change here.
+
+decode  ``LLM.generate`` on one prompt: one warm-up, then --runs timed runs, the median reported.
+mixed,  the engine API itself: add every request, then ``step()`` until none is left. The clock runs
+shared  only while the engine works: it stops after each step while ``kv_usage()`` is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import importlib
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from .rows import MB, MilestoneRow, error_row, inter_token_latency, mean, median_of_runs, median_run, new_row
+from .workloads import Setup
+
+
+def fast_paths(runner) -> dict[str, bool]:
+    """Which CPU fast paths a model runner took: the compiled decode kernel, linear layers packed for oneDNN.
+
+    The keys are the JSON's: ``packed_linear`` stays the name the published results use.
+    """
+    return {
+        "decode_kernel": getattr(runner, "decode_kernel", None) is not None,  # m1 has no decode kernel
+        "packed_linear": runner.packed_lm_head is not None,
+    }
+
+
+def engine_kwargs(mod: ModuleType, row: MilestoneRow, setup: Setup) -> dict:
+    """The run's engine options that this milestone's EngineConfig accepts, then the row's own (which it must)."""
+    args = setup.args
+    accepted = {f.name for f in dataclasses.fields(mod.EngineConfig)}
+    wanted = {"max_model_len": setup.max_model_len, "seed": args.seed,
+              "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.tight_kv:  # the same KV bytes for every milestone: slots for m2, a block pool for the paged ones
+        if "kv_cache_memory_bytes" in accepted:
+            wanted["kv_cache_memory_bytes"] = args.tight_kv * setup.max_model_len * setup.kv_bytes_per_token
+        else:
+            wanted["max_num_seqs"] = args.tight_kv
+    for field in row.engine_options:
+        if field not in accepted:
+            raise ValueError(f"{row.milestone} has no {field} option")
+    return {k: v for k, v in wanted.items() if v is not None and k in accepted} | row.engine_options
+
+
+def config_dict(config) -> dict:
+    """An EngineConfig as JSON: numbers, booleans and None as they are, anything else (device, dtype) as text."""
+    return {f.name: (v if isinstance(v, (int, float, bool, type(None))) else str(v))
+            for f in dataclasses.fields(config) for v in [getattr(config, f.name)]}
+
+
+def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
+    """Load the milestone once and measure it on every selected workload."""
+    args = setup.args
+    try:
+        mod = importlib.import_module(f"milestones.{row.milestone}")
+        kwargs = engine_kwargs(mod, row, setup)
+        new_llm = functools.partial(mod.LLM, args.model, device=setup.device, dtype=setup.dtype, **kwargs)
+        start = time.perf_counter()
+        llm = new_llm()
+        load_s = time.perf_counter() - start
+        extra = {"engine_kwargs": kwargs, "engine_config": config_dict(llm.engine.config), "load_s": load_s,
+                 **fast_paths(llm.engine.runner)}
+    except Exception as err:  # a milestone that does not load yet must not sink the other rows
+        return [error_row(w, row.name, "milestone", err) for w in args.workloads]
+    rows = []
+    for workload in args.workloads:
+        print(f"- {row.name}: {workload} ...", flush=True)
+        try:
+            if workload == "decode":
+                result = decode_row(row, mod, llm, setup)
+            else:
+                result = mixed_passes(row, mod, llm, new_llm, setup, workload)
+            result.update(extra)
+        except Exception as err:
+            result = error_row(workload, row.name, "milestone", err)
+        rows.append(result)
+    del llm
+    gc.collect()
+    return rows
+
+
+def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup) -> dict:
+    args = setup.args
+    params = mod.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    prompt = setup.workloads.decode_prompt
+    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    runs = []
+    for _ in range(args.runs):
+        start = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - start
+        metrics, n = out.metrics, len(out.outputs[0].token_ids)
+        runs.append({"wall_s": wall, "tokens_per_s": n / wall, "ttft_s": metrics.time_to_first_token,
+                     "itl_s": inter_token_latency(metrics.first_token_time, metrics.last_token_time, n)})
+    return new_row("decode", row.name, "milestone", num_requests=1, output_tokens=n, **median_of_runs(runs),
+                   runs=runs, _tokens=[list(out.outputs[0].token_ids)])
+
+
+def mixed_passes(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any], setup: Setup,
+                 workload: str) -> dict:
+    """Serve the workload --mixed-runs times: the first pass on ``llm``, every later one on a new engine.
+
+    A new engine per pass keeps the passes alike: m4's prefix cache, for one,
+    would otherwise start every pass after the first with the prompts cached.
+    """
+    engines = [llm]
+
+    def one_pass() -> dict:
+        return mixed_row(row, mod, engines.pop() if engines else new_llm(), setup, workload)
+
+    return median_run(one_pass, setup.args.mixed_runs)
+
+
+@dataclasses.dataclass(slots=True)
+class KvPeaks:
+    """The most KV memory in use and reserved, and the most requests running, over the steps of one pass."""
+
+    used_bytes: int = 0
+    reserved_bytes: int = 0
+    most_running: int = 0
+    last: dict = dataclasses.field(default_factory=dict)  # the latest kv_usage(): its counters as the pass ends
+
+    def sample(self, engine) -> None:
+        self.last = engine.kv_usage()
+        self.used_bytes = max(self.used_bytes, self.last["used_bytes"])
+        self.reserved_bytes = max(self.reserved_bytes, self.last["reserved_bytes"])
+        self.most_running = max(self.most_running, len(engine.scheduler.running_seqs()))
+
+
+def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: str) -> dict:
+    """One timed pass: add every request, step until done; wall time counts the engine's work only."""
+    engine, requests, note = llm.engine, setup.workloads.requests(workload), None
+    if row.milestone == "m1" and 0 < setup.args.m1_requests < len(requests):
+        requests = requests[: setup.args.m1_requests]
+        note = f"first {len(requests)} of the requests only (m1 runs one at a time)"
+    warm_up = mod.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([requests[0].prompt_ids[:8]], warm_up, use_tqdm=False)
+    peaks, finished, steps_before = KvPeaks(), {}, engine.num_steps
+    wall = 0.0
+    start = time.perf_counter()
+    ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
+           for r in requests]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        wall += time.perf_counter() - start
+        peaks.sample(engine)  # with the clock stopped: reading the KV usage is the benchmark's work, not the engine's
+        start = time.perf_counter()
+    wall += time.perf_counter() - start
+    outs = [finished[i] for i in ids]
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    cached = sum(getattr(o, "num_cached_tokens", 0) for o in outs)  # only m4's outputs count cached prompt tokens
+    itls = [inter_token_latency(o.metrics.first_token_time, o.metrics.last_token_time, len(o.outputs[0].token_ids))
+            for o in outs]
+    return new_row(workload, row.name, "milestone", num_requests=len(outs), output_tokens=n_out, wall_s=wall,
+                   prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - cached,
+                   max_running=peaks.most_running, num_preemptions=peaks.last.get("num_preemptions"),
+                   prefix_hit_rate=peaks.last.get("prefix_hit_rate"), output_tokens_per_s=n_out / wall,
+                   ttft_mean_s=mean([o.metrics.time_to_first_token for o in outs]), itl_mean_s=mean(itls),
+                   kv_peak_mb=peaks.used_bytes / MB, kv_reserved_mb=peaks.reserved_bytes / MB,
+                   steps=engine.num_steps - steps_before, note=note,
+                   _tokens=[list(o.outputs[0].token_ids) for o in outs])

@@ -1,0 +1,50 @@
+"""A bar chart of output tokens/s, one panel per workload (matplotlib, imported only when --plot asks for it)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .workloads import WORKLOADS
+
+
+def write_plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results["results"] if r["status"] == "ok"]
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in ok)]
+    if not workloads:
+        return
+    config, machine = results["config"], results["machine"]
+    titles = {
+        "decode": f"decode: batch 1, {config['decode_tokens']} tokens",
+        "mixed": f"mixed: {config['num_requests']} requests",
+        "shared": f"shared prefix: {config['num_requests']} requests, "
+                  f"{config['shared_prefix_len']}-token system prompt",
+    }
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        rows = [r for r in ok if r["workload"] == workload]
+        names = [bar_label(r) for r in rows]
+        values = [r["output_tokens_per_s"] for r in rows]
+        colors = ["tab:blue" if r["kind"] == "milestone" else "tab:gray" for r in rows]
+        bars = ax.bar(names, values, color=colors)
+        ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=2, fontsize=9)
+        ax.set_title(titles[workload])
+        ax.set_ylabel("output tokens/s (higher is better)")
+        ax.set_ylim(0, max(values) * 1.18)
+        ax.tick_params(axis="x", labelrotation=15)
+    threads = machine["torch_threads"]
+    fig.suptitle(f"{config['model']}, {config['dtype']} on {machine['device']} ({machine['cpu_count']} CPUs, "
+                 f"{threads} torch thread{'s' * (threads != 1)}, torch {machine['torch']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bar_label(row: dict) -> str:
+    """The row's name; m1's partial mixed row says how many requests it served."""
+    partial = row.get("note", "") and row["engine"] == "m1" and row["workload"] == "mixed"
+    return row["engine"] + (f"\n(first {row['num_requests']})" if partial else "")

@@ -1,0 +1,120 @@
+"""What a run reports: the JSON's header (machine and settings), ratios to transformers, token agreement, the table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+import transformers
+
+from .workloads import Setup
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages, where the system has them: a busy machine gives noisy numbers."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def machine_info(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    load = load_average()
+    if load is not None:
+        info["load_average_at_start"] = load
+    return info
+
+
+def new_results(setup: Setup, command: list[str]) -> dict:
+    """The JSON's header: when, how it was called, the machine and every setting; rows go under ``results``."""
+    args: argparse.Namespace = setup.args
+    return {
+        "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "command": " ".join(["examples/benchmark.py", *command]),
+        "machine": machine_info(setup.device),
+        "config": {"model": args.model or "SmolLM2-135M-Instruct (bundled)",
+                   "dtype": str(setup.dtype).replace("torch.", ""), "workloads": args.workloads,
+                   "milestones": args.milestones, "hf_rows": args.hf_rows, "seed": args.seed,
+                   "decode_tokens": args.decode_tokens, "decode_prompt_len": args.decode_prompt_len, "runs": args.runs,
+                   "num_requests": args.num_requests, "prompt_len_range": list(args.prompt_len_range),
+                   "output_len_range": list(args.output_len_range), "m1_requests": args.m1_requests,
+                   "hf_batch_size": args.hf_batch_size, "mixed_runs": args.mixed_runs,
+                   "max_model_len": setup.max_model_len, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "tight_kv": args.tight_kv,
+                   "shared_prefix_len": args.shared_prefix_len,
+                   "shared_output_len_range": list(args.shared_output_len_range)},
+        "results": [],
+    }
+
+
+def add_ratios_to_hf(rows: list[dict], hf_batch_size: int) -> None:
+    """Each row's tok/s over transformers' on its workload: decode against hf-generate, mixed against hf-static.
+
+    Only rows that served the same requests get one: m1 serves only the first
+    --m1-requests of the mixed workload, so its mixed row has none.
+    """
+    for workload, engine in (("decode", "hf-generate"), ("mixed", f"hf-static-{hf_batch_size}")):
+        ok = [r for r in rows if r["workload"] == workload and r["status"] == "ok"]
+        ref = next((r for r in ok if r["engine"] == engine), None)
+        for r in ok:
+            if ref and r["num_requests"] == ref["num_requests"]:
+                r["ratio_to_hf"] = r["output_tokens_per_s"] / ref["output_tokens_per_s"]
+                r["ratio_to_hf_engine"] = engine
+
+
+def token_agreement(rows: list[dict]) -> None:
+    """Compare each row's tokens with the first row of its workload (greedy, so they should agree).
+
+    Removes the tokens from the rows as it goes: they are too long for the JSON.
+    """
+    reference: dict[str, dict] = {}
+    for row in rows:
+        tokens = row.pop("_tokens", None)
+        if tokens is None:
+            continue
+        ref = reference.setdefault(row["workload"], {"engine": row["engine"], "tokens": tokens})
+        if ref["engine"] != row["engine"]:
+            same = sum(a == b for a, b in zip(tokens, ref["tokens"], strict=False))
+            row[f"same_tokens_as_{ref['engine']}"] = f"{same}/{min(len(tokens), len(ref['tokens']))} requests"
+
+
+def fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ["workload", "engine", "tok/s", "runs", "vs hf", "TTFT ms", "ITL ms", "KV peak MB", "KV resv MB",
+              "max run", "prompt computed", "wall s", "reqs", "note"]
+    lines = [table_line(r) for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *lines, strict=True)]
+    for i, line in enumerate([header, *lines]):
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print("vs hf: decode rows against hf-generate, mixed rows against hf-static; "
+          "runs: how many timed passes, slowest-fastest tok/s")
+
+
+def table_line(r: dict) -> list[str]:
+    if r["status"] != "ok":
+        return [r["workload"], r["engine"], "error", "", "", "", "", "", "", "", "", "", "", (r["error"] or "")[:60]]
+    runs = [x["tokens_per_s"] for x in r.get("runs", [])]
+    spread = f"{len(runs)}: {min(runs):.1f}-{max(runs):.1f}" if len(runs) > 1 else ""
+    return [r["workload"], r["engine"], fmt(r["output_tokens_per_s"], ".1f"), spread, fmt(r.get("ratio_to_hf"), ".2f"),
+            fmt(r["ttft_mean_s"], ".0f", 1000), fmt(r["itl_mean_s"], ".1f", 1000), fmt(r["kv_peak_mb"], ".1f"),
+            fmt(r["kv_reserved_mb"], ".1f"), fmt(r.get("max_running"), ".0f"),
+            fmt(r.get("prompt_tokens_computed"), ".0f"), fmt(r["wall_s"], ".1f"), str(r["num_requests"]),
+            r.get("note") or ""]

@@ -1,0 +1,116 @@
+"""The rows a run can have, and the dict each one produces in the JSON.
+
+A row is one engine on one workload. Rows stay plain dicts because they are the
+JSON itself: ``new_row`` fixes the fields every row has, in the order the JSON
+shows them, and each runner adds its own (``runs``, ``engine_config``, ...).
+A field whose name starts with ``_`` is for the report only and never written.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+MB = 1024 * 1024
+HF_ROWS = ("hf-generate", "hf-static", "hf-continuous")  # transformers' rows; 'hf' on the command line = all three
+HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # hf-continuous: the same budget as m2's defaults
+ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options (EngineConfig field, value)
+    "auto": ("attention_backend", "auto"),
+    "torch": ("attention_backend", "torch"),
+    "cpp": ("attention_backend", "cpp"),
+    "linear-auto": ("linear_backend", "auto"),
+    "linear-torch": ("linear_backend", "torch"),
+    "linear-onednn": ("linear_backend", "onednn"),
+}
+
+
+@dataclass(slots=True)
+class MilestoneRow:
+    """A milestone row as named on the command line: ``m2``, or ``m2@torch+linear-torch`` with engine options."""
+
+    name: str  # the label in the table and the JSON
+    milestone: str  # the package under milestones/, e.g. "m2"
+    engine_options: dict[str, str]  # EngineConfig field -> value, from the options after '@'
+
+    @classmethod
+    def parse(cls, name: str, milestones: Sequence[str]) -> MilestoneRow:
+        """Raise ValueError, with the message the command line shows, for an unknown name or option."""
+        milestone, at, options = name.partition("@")
+        chosen = options.split("+") if at else []
+        if milestone not in milestones or not set(chosen) <= set(ROW_OPTIONS):
+            raise ValueError(f"unknown engine {name!r}; choose from {', '.join([*milestones, 'hf', *HF_ROWS])}; a "
+                             f"milestone may take options after '@', joined by '+' ({', '.join(ROW_OPTIONS)}), "
+                             "e.g. m2@torch+linear-torch")
+        fields = [ROW_OPTIONS[option][0] for option in chosen]
+        if len(set(fields)) < len(fields):
+            raise ValueError(f"engine {name!r} sets one option twice; name at most one value each for "
+                             f"{', '.join(sorted(set(fields)))}")
+        return cls(name, milestone, dict(ROW_OPTIONS[option] for option in chosen))
+
+
+def new_row(workload: str, engine: str, kind: str, **fields) -> dict:
+    """A row with every common field present (None where it does not apply), then ``fields``."""
+    row = {
+        "workload": workload, "engine": engine, "kind": kind, "status": "ok", "error": None,
+        "num_requests": None, "output_tokens": None, "wall_s": None, "output_tokens_per_s": None,
+        "ttft_mean_s": None, "itl_mean_s": None, "kv_peak_mb": None, "kv_reserved_mb": None, "note": None,
+    }
+    row.update(fields)
+    return row
+
+
+def error_row(workload: str, engine: str, kind: str, err: BaseException) -> dict:
+    """A row that failed: reported and kept in the JSON, so one broken engine does not sink the others."""
+    print(f"  !! {engine} on {workload} failed: {type(err).__name__}: {err}", flush=True)
+    return new_row(workload, engine, kind, status="error", error=f"{type(err).__name__}: {err}")
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the values that are known (a request with one token has no inter-token latency)."""
+    known = [x for x in values if x is not None]
+    return statistics.fmean(known) if known else None
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    known = [x for x in values if x is not None]
+    return statistics.median(known) if known else None
+
+
+def inter_token_latency(first: float | None, last: float | None, num_tokens: int) -> float | None:
+    """(last token time - first token time) / (tokens - 1); None with fewer than two tokens."""
+    return None if first is None or last is None or num_tokens < 2 else (last - first) / (num_tokens - 1)
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """A decode row's figures: the median of each over its timed runs (``wall_s``, ``tokens_per_s``, ...)."""
+    return {"wall_s": median([r["wall_s"] for r in runs]),
+            "output_tokens_per_s": median([r["tokens_per_s"] for r in runs]),
+            "ttft_mean_s": median([r["ttft_s"] for r in runs]),
+            "itl_mean_s": median([r["itl_s"] for r in runs])}
+
+
+def median_run(run: Callable[[], dict], n: int) -> dict:
+    """Call ``run`` (one timed pass over a workload, returning its row) n times; keep the median pass.
+
+    The row reported is the pass with the median output tokens/s (the lower
+    middle one for an even n), so all its figures come from one real pass; the
+    throughput of every pass is kept under ``runs``.
+    """
+    rows = []
+    for i in range(n):
+        rows.append(run())
+        if n > 1:
+            print(f"    run {i + 1}/{n}: {rows[-1]['output_tokens_per_s']:.1f} tok/s", flush=True)
+    row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[(n - 1) // 2]
+    row["runs"] = [pass_summary(r) for r in rows]
+    row["runs_same_tokens"] = all(r.get("_tokens") == rows[0].get("_tokens") for r in rows)  # greedy: they must agree
+    return row
+
+
+def pass_summary(row: dict) -> dict:
+    """What ``runs`` keeps of each pass: its time and throughput, and the prompt tokens it computed if known."""
+    summary = {"wall_s": row["wall_s"], "tokens_per_s": row["output_tokens_per_s"]}
+    if "prompt_tokens_computed" in row:
+        summary["prompt_tokens_computed"] = row["prompt_tokens_computed"]
+    return summary

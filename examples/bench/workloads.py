@@ -1,0 +1,103 @@
+"""The requests every row serves: built once per run from one seed, so that all rows get the same work.
+
+decode  one prompt of --decode-prompt-len tokens, --decode-tokens forced output tokens.
+mixed   --num-requests requests, prompt and output lengths uniform in their ranges, prompts cut from real
+        English text at varying offsets. All arrive at once.
+shared  as many requests behind one system prompt of --shared-prefix-len tokens, each with its own short
+        question: what a prefix cache is for (milestone rows only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from _common import text_token_ids
+
+if TYPE_CHECKING:
+    import torch
+
+WORKLOADS = ("decode", "mixed", "shared")
+
+
+@dataclass(slots=True)
+class Request:
+    """One request of a workload: prompt tokens and how many tokens to generate."""
+
+    prompt_ids: list[int]
+    max_tokens: int  # forced with ignore_eos: every row generates exactly this many
+
+
+@dataclass(slots=True)
+class Workloads:
+    """The requests of all three workloads, each drawn from its own seed."""
+
+    decode_prompt: list[int]
+    mixed: list[Request]
+    shared: list[Request]
+
+    def requests(self, workload: str) -> list[Request]:
+        """The requests of the mixed or the shared workload."""
+        return self.shared if workload == "shared" else self.mixed
+
+
+@dataclass(slots=True)
+class Setup:
+    """What every row of a run shares, worked out once from the arguments."""
+
+    args: argparse.Namespace
+    model_path: Path  # the resolved model folder (args.model stays as given, for the JSON)
+    device: torch.device
+    dtype: torch.dtype
+    workloads: Workloads
+    max_model_len: int  # the smallest that fits the selected workloads, unless --max-model-len says otherwise
+    kv_bytes_per_token: int  # for --tight-kv: the same KV bytes for every milestone
+
+
+def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
+    return Workloads(
+        decode_prompt=text_token_ids(tokenizer, args.decode_prompt_len)[: args.decode_prompt_len],
+        mixed=make_mixed_workload(tokenizer, args.num_requests, args.prompt_len_range, args.output_len_range,
+                                  args.seed),
+        shared=make_shared_workload(tokenizer, args.num_requests, args.shared_prefix_len,
+                                    args.shared_output_len_range, args.seed),
+    )
+
+
+def make_mixed_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                        seed: int) -> list[Request]:
+    """Seeded requests whose prompts are slices of real text at varying offsets."""
+    rng = random.Random(seed)
+    lengths = [(rng.randint(*prompt_range), rng.randint(*output_range)) for _ in range(n)]
+    text = text_token_ids(tokenizer, prompt_range[1] + 256)
+    requests = []
+    for prompt_len, output_len in lengths:
+        start = rng.randrange(0, len(text) - prompt_len + 1)
+        requests.append(Request(text[start : start + prompt_len], output_len))
+    return requests
+
+
+def make_shared_workload(tokenizer, n: int, prefix_len: int, output_range: tuple[int, int],
+                         seed: int) -> list[Request]:
+    """One long system prompt shared by every request, each followed by its own short question."""
+    rng = random.Random(seed + 1)
+    text = text_token_ids(tokenizer, prefix_len + 512)
+    prefix = text[:prefix_len]
+    requests = []
+    for _ in range(n):
+        start, length = rng.randrange(prefix_len, len(text) - 40), rng.randint(8, 32)
+        requests.append(Request(prefix + text[start : start + length], rng.randint(*output_range)))
+    return requests
+
+
+def fitting_max_model_len(args: argparse.Namespace, workloads: Workloads) -> int:
+    """The longest prompt plus the longest output over the selected workloads."""
+    needs = {
+        "decode": args.decode_prompt_len + args.decode_tokens,
+        "mixed": args.prompt_len_range[1] + args.output_len_range[1],
+        "shared": max(len(r.prompt_ids) for r in workloads.shared) + args.shared_output_len_range[1],
+    }
+    return max(needs[workload] for workload in args.workloads)
