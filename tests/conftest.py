@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from milestones import MILESTONES
 from milestones.model_store import resolve_model
@@ -21,7 +20,9 @@ from .checkpoints import make_checkpoint
 HAS_KERNEL_TOOLCHAIN = shutil.which(os.environ.get("CXX", "c++")) is not None and (
     shutil.which("ninja") is not None or (Path(sys.executable).parent / "ninja").exists()
 )
-needs_compiler = pytest.mark.skipif(not HAS_KERNEL_TOOLCHAIN, reason="no C++ compiler or ninja to build the decode-attention kernel")
+needs_compiler = pytest.mark.skipif(
+    not HAS_KERNEL_TOOLCHAIN, reason="no C++ compiler or ninja to build the decode-attention kernel"
+)
 
 
 def selected_milestones() -> list[str]:

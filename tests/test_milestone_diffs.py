@@ -29,8 +29,12 @@ def test_undeclared_files_are_identical_to_the_previous_milestone(previous, curr
         name for name in source_files(current) & source_files(previous)
         if not filecmp.cmp(ROOT / previous / name, ROOT / current / name, shallow=False)
     }
-    assert changed <= declared, f"{current} changes {sorted(changed - declared)} without declaring it in milestones.CHANGED_FILES"
-    assert declared <= changed, f"{current} declares {sorted(declared - changed)} as changed, but they are identical: drop them"
+    assert changed <= declared, (
+        f"{current} changes {sorted(changed - declared)} without declaring it in milestones.CHANGED_FILES"
+    )
+    assert declared <= changed, (
+        f"{current} declares {sorted(declared - changed)} as changed, but they are identical: drop them"
+    )
     assert source_files(previous) <= source_files(current), f"{current} lost files of {previous}"
 
 

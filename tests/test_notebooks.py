@@ -28,7 +28,9 @@ def kernel_name() -> str:
     try:
         spec = KernelSpecManager().get_kernel_spec("python3")
     except NoSuchKernel:
-        pytest.fail("no 'python3' Jupyter kernel: run `.venv/bin/python -m ipykernel install --sys-prefix --name python3`")
+        pytest.fail(
+            "no 'python3' Jupyter kernel: run `.venv/bin/python -m ipykernel install --sys-prefix --name python3`"
+        )
     executable = Path(spec.argv[0])
     # jupyter_client starts a kernel whose command is plain 'python' or 'python3' with sys.executable;
     # a kernelspec with an absolute path must point into this environment, or the notebook sees other packages.

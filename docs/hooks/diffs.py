@@ -61,7 +61,10 @@ def milestones_module(root: Path) -> dict[str, object]:
         raise PluginError(f"{path} not found")
     values = {}
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(node, ast.AnnAssign):
+            target = node.target
+        else:
+            target = node.targets[0] if isinstance(node, ast.Assign) else None
         if isinstance(target, ast.Name) and target.id in ("MILESTONES", "CHANGED_FILES") and node.value is not None:
             values[target.id] = ast.literal_eval(node.value)
     if set(values) != {"MILESTONES", "CHANGED_FILES"}:
@@ -111,7 +114,9 @@ def changed_files_list(root: Path, milestone: str) -> str:
     items = []
     for name in sorted(changed):
         if not (folder / name).is_file():
-            raise PluginError(f"CHANGED_FILES[{milestone!r}] lists {name}, but milestones/{milestone}/{name} does not exist")
+            raise PluginError(
+                f"CHANGED_FILES[{milestone!r}] lists {name}, but milestones/{milestone}/{name} does not exist"
+            )
         is_new = previous is None or not (previous / name).is_file()
         items.append(f"- `{name}`" + (" (new file)" if is_new else ""))
     return "\n".join(items)

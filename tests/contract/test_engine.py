@@ -84,7 +84,8 @@ def test_prompt_beyond_the_context_is_refused(mod, tiny_llm):
         tiny_llm.generate([5] * limit, mod.SamplingParams(max_tokens=1), use_tqdm=False)
     with pytest.raises(ValueError, match="lower max_tokens"):
         tiny_llm.generate([5] * 10, mod.SamplingParams(max_tokens=limit), use_tqdm=False)
-    ok = tiny_llm.generate([5] * 10, mod.SamplingParams(max_tokens=limit - 10, stop_token_ids=[], temperature=0), use_tqdm=False)
+    fits = mod.SamplingParams(max_tokens=limit - 10, stop_token_ids=[], temperature=0)
+    ok = tiny_llm.generate([5] * 10, fits, use_tqdm=False)
     assert ok[0].finished
 
 
@@ -117,7 +118,9 @@ def test_kv_usage_reports_reserved_and_used_memory(mod, tiny_llm):
     engine = tiny_llm.engine
     idle = engine.kv_usage()
     assert idle["used_bytes"] == 0 and idle["reserved_bytes"] > 0
-    engine.add_request(list(range(100, 120)), mod.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id="kv")
+    engine.add_request(
+        list(range(100, 120)), mod.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id="kv"
+    )
     engine.step()  # the prompt's 20 tokens are now in the cache
     busy = engine.kv_usage()
     assert 0 < busy["used_bytes"] <= busy["reserved_bytes"]

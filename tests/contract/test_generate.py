@@ -44,7 +44,8 @@ def test_seeded_sampling_is_reproducible(mod, tiny_llm):
     # Other requests in the same call (with their own seeds) must not disturb this one.
     mixed = [greedy(mod), params, mod.SamplingParams(temperature=1.0, seed=3, max_tokens=12), greedy(mod)]
     in_company = tiny_llm.generate(PROMPTS, mixed, use_tqdm=False)[1].outputs[0].token_ids
-    other_seed = tiny_llm.generate(PROMPTS[1], mod.SamplingParams(temperature=0.8, seed=8, max_tokens=12), use_tqdm=False)
+    other_params = mod.SamplingParams(temperature=0.8, seed=8, max_tokens=12)
+    other_seed = tiny_llm.generate(PROMPTS[1], other_params, use_tqdm=False)
     assert first == again == in_company
     assert other_seed[0].outputs[0].token_ids != first
 
@@ -57,7 +58,8 @@ def test_max_tokens_gives_length(mod, tiny_llm):
 def test_stop_token_ids_end_the_output(mod, tiny_llm):
     reference = tiny_llm.generate(PROMPTS[2], greedy(mod, 12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
     stop_id = reference[4]
-    out = tiny_llm.generate(PROMPTS[2], greedy(mod, 12, ignore_eos=True, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    params = greedy(mod, 12, ignore_eos=True, stop_token_ids=[stop_id])
+    out = tiny_llm.generate(PROMPTS[2], params, use_tqdm=False)[0].outputs[0]
     first = reference.index(stop_id)
     assert out.token_ids == reference[: first + 1] and out.finish_reason == "stop"
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from milestones import m1, m2, m3, m4
-from tests.m1.test_vs_transformers import RecordingSampler, hf_generate, varied_prompts
+from tests.m1.test_vs_transformers import RecordingSampler, varied_prompts
 from tests.m2.test_vs_m1 import mixed_workload, run
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
@@ -46,7 +46,8 @@ def test_m1_matches_transformers_on_cuda(tiny_model_factory, kind, dtype):
         recorder.logits.clear()
         ours = llm.generate(prompt, m1.SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
         out = hf.generate(
-            torch.tensor([prompt], device="cuda"), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+            torch.tensor([prompt], device="cuda"),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
             max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True,
         )
         ref_tokens, ref_logits = out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].float()
@@ -82,7 +83,8 @@ def test_cuda_and_cpu_agree_in_float32(tiny_model_path):
     prompts, settings = mixed_workload(12, seed=7, max_prompt=100, max_output=32)
     greedy = [dict(s, temperature=0) for s in settings]
     on_cpu = run(m4, m4.LLM(tiny_model_path, device="cpu", max_model_len=256, max_num_seqs=4), prompts, greedy)
-    on_gpu = run(m4, m4.LLM(tiny_model_path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4), prompts, greedy)
+    gpu_llm = m4.LLM(tiny_model_path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=4)
+    on_gpu = run(m4, gpu_llm, prompts, greedy)
     assert on_gpu == on_cpu
 
 

@@ -56,7 +56,8 @@ def test_the_backends_give_the_same_tokens(tiny_model_factory, kind):
 @needs_onednn
 def test_m1_packs_too_and_gives_the_same_tokens(tiny_model_path):
     prompts, settings = mixed_workload(6, seed=13, max_prompt=60, max_output=24)
-    reference = run(m1, m1.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="torch"), prompts, settings)
+    plain = m1.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="torch")
+    reference = run(m1, plain, prompts, settings)
     llm = m1.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="onednn")
     assert isinstance(llm.engine.runner.compute_logits, PackedLinear)
     assert run(m1, llm, prompts, settings) == reference

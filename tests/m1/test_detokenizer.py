@@ -7,7 +7,12 @@ from transformers import AutoTokenizer
 
 from milestones.m1.detokenizer import IncrementalDetokenizer
 
-TEXTS = ["Hello world, how are you?", "北京欢迎你，上海也不错。", "Dragons 🐉🐉 and cats 🐱 👩‍👩‍👧", "mixed: naïve café – 東京 🚀!"]
+TEXTS = [
+    "Hello world, how are you?",
+    "北京欢迎你，上海也不错。",
+    "Dragons 🐉🐉 and cats 🐱 👩‍👩‍👧",
+    "mixed: naïve café – 東京 🚀!",
+]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,9 @@ from milestones.m1.sequence import Sequence
 
 
 def seq(seed=0, **params) -> Sequence:
-    return Sequence("r", None, [1], SamplingParams(**params), seed=seed, detokenizer=IncrementalDetokenizer(None, [1], []))
+    return Sequence(
+        "r", None, [1], SamplingParams(**params), seed=seed, detokenizer=IncrementalDetokenizer(None, [1], [])
+    )
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])

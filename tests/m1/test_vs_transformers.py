@@ -75,12 +75,19 @@ def test_bundled_model_matches_transformers(bundled_model_path):
     hf = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
     llm = LLM(device="cpu")
     recorder = llm.engine.runner.sampler = RecordingSampler(llm.engine.runner.sampler)
-    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain what a CPU does.", "List three fruits."]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about autumn.",
+        "Explain what a CPU does.",
+        "List three fruits.",
+    ]
     for question in questions:
         chat = [{"role": "user", "content": question}]
-        prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        text = llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = llm.tokenizer.encode(text, add_special_tokens=False)
         recorder.logits.clear()
-        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        ours = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
         ref_tokens, ref_logits = hf_generate(hf, prompt, 40)
         n = len(ref_tokens)  # transformers stops at EOS; we were told to ignore it
         assert n >= 8 and ours.token_ids[:n] == ref_tokens, question
@@ -90,7 +97,8 @@ def test_bundled_model_matches_transformers(bundled_model_path):
 @pytest.mark.real_model
 def test_bundled_model_answers_and_stops_at_eos():
     llm = LLM(device="cpu")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=64))[0]
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=64))[0]
     completion = out.outputs[0]
     assert "Paris" in completion.text
     assert completion.finish_reason == "stop" and completion.token_ids[-1] in llm.engine.eos_token_ids

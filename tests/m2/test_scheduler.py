@@ -11,7 +11,9 @@ from milestones.m2.sequence import Sequence
 
 def make_seq(request_id: str, prompt_len: int) -> Sequence:
     prompt = list(range(prompt_len))
-    return Sequence(request_id, None, prompt, SamplingParams(), seed=0, detokenizer=IncrementalDetokenizer(None, prompt, []))
+    return Sequence(
+        request_id, None, prompt, SamplingParams(), seed=0, detokenizer=IncrementalDetokenizer(None, prompt, [])
+    )
 
 
 def step(scheduler: Scheduler, finished: set[str] = frozenset()):

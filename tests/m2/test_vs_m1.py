@@ -61,7 +61,10 @@ def test_every_step_respects_the_limits(tiny_model_path):
         if batch is not None:
             assert sum(batch.num_new_tokens) <= 16 and len(batch.seqs) <= 3
             largest = max(largest, len(batch.seqs))
-            chunked |= any(n > 1 and s.num_computed_tokens + n < s.num_prompt_tokens for s, n in zip(batch.seqs, batch.num_new_tokens))
+            chunked |= any(
+                n > 1 and s.num_computed_tokens + n < s.num_prompt_tokens
+                for s, n in zip(batch.seqs, batch.num_new_tokens)
+            )
         return batch
 
     scheduler.schedule = checked_schedule
@@ -79,8 +82,11 @@ def test_kv_memory_reserved_per_slot(tiny_model_path):
 @pytest.mark.real_model
 def test_m2_matches_m1_on_the_bundled_model():
     prompts, settings = mixed_workload(16, seed=11, max_prompt=90, max_output=40)
-    tokenizer_text = ["Tell me about the ocean.", "What is 12 times 7?", "Write a limerick about a cat.", "Name three planets."]
+    tokenizer_text = [
+        "Tell me about the ocean.", "What is 12 times 7?", "Write a limerick about a cat.", "Name three planets."
+    ]
     prompts[:4] = tokenizer_text
     reference = run(m1, m1.LLM(device="cpu", max_model_len=256), prompts, settings)
-    ours = run(m2, m2.LLM(device="cpu", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=48), prompts, settings)
+    batched = m2.LLM(device="cpu", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=48)
+    ours = run(m2, batched, prompts, settings)
     assert ours == reference

@@ -19,7 +19,9 @@ def reference(q_new, keys, values):
     """Contiguous attention for one request: its new queries sit at the end of its keys."""
     n, total = q_new.shape[0], keys.shape[0]
     visible = torch.arange(total) <= torch.arange(total - n, total)[:, None]
-    out = F.scaled_dot_product_attention(q_new.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q_new.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, enable_gqa=True
+    )
     return out.transpose(0, 1)
 
 
@@ -37,7 +39,9 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
     rng.shuffle(free)  # scattered, out-of-order blocks, as after many allocations and frees
     # Each request: (tokens already cached, new tokens this step); 1 new token = a decode.
     requests = [(rng.randint(0, 60), rng.choice([1, 1, rng.randint(2, 20)])) for _ in range(7)]
-    history = {i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)}
+    history = {
+        i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)
+    }
     slot_mapping, new_k, new_v, all_tables, spans, decodes = [], [], [], [], [], []
     q = torch.randn(sum(n for _, n in requests), HEADS, DIM)
     row = 0
@@ -56,7 +60,9 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
             spans.append(RequestSpan(row, row + n, table, total, first=len(all_tables) * block_size))
             all_tables += table
         row += n
-    ctx = AttentionContext(k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables, dtype=torch.long), spans)
+    ctx = AttentionContext(
+        k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables, dtype=torch.long), spans
+    )
     assert decodes or not use_kernel, "the kernel case must have decodes to send to the kernel"
     if decodes:
         width = max(len(table) for _, table, _ in decodes)
