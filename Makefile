@@ -36,7 +36,7 @@ test-fast: model
 	$(PY) -m pytest -m "not real_model"
 
 test-m%: model
-	MILESTONES=m$* $(PY) -m pytest tests/m$* tests/contract
+	MILESTONES=m$* $(PY) -m pytest tests/m$* tests/contract tests/kernels
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict

@@ -9,7 +9,7 @@ Run from the repository root:
 
 --help lists every flag. The code is the package next to this script, examples/bench/
 (its __init__.py says what each module does); examples/bench_quickstart.py is the same
-idea in thirty lines.
+idea in forty lines.
 """
 
 import sys

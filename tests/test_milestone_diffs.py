@@ -17,7 +17,7 @@ SOURCE_SUFFIXES = (".py", ".cpp")
 
 
 def source_files(milestone: str) -> set[str]:
-    """The milestone's source files: its Python modules and its C++ kernel."""
+    """The milestone's source files (a C++ file would count too; the shared kernel lives in milestones/kernels)."""
     return {p.name for p in (ROOT / milestone).iterdir() if p.suffix in SOURCE_SUFFIXES}
 
 

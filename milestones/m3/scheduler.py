@@ -10,8 +10,7 @@ manager as it grows.
   blocks are free now, with one block per running request left over. Without
   that headroom the pool fills with new prompts and the running requests,
   growing a block every ``block_size`` tokens, are soon preempted, each losing
-  all its work: on the tight-memory benchmark the headroom cut preemptions
-  from 47 to 11.
+  all its work (the benchmarks page measures how many).
 * Preemption by recompute: when a running request cannot get a block, the victim
   is the most recently admitted running request not yet scheduled in this step
   (the request itself if there is none). The victim's blocks are freed, it goes

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import milestones.kernels.decode_attention as decode_kernel
+import milestones.kernels.decode_attention as kernel_build
 from milestones import m2
 from milestones.m2.attention import decode_attention
 from tests.conftest import needs_compiler
@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def kernel():
-    return decode_kernel.load_decode_kernel()
+    return kernel_build.load_decode_kernel()
 
 
 @needs_compiler
@@ -90,10 +90,10 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, t
     def broken():
         raise OSError("no C++ compiler found")
 
-    monkeypatch.setattr(decode_kernel, "load_decode_kernel", broken)
-    assert decode_kernel.decode_kernel_for("torch", CPU, torch.float32) is None
+    monkeypatch.setattr(kernel_build, "load_decode_kernel", broken)
+    assert kernel_build.decode_kernel_for("torch", CPU, torch.float32) is None
     with pytest.raises(RuntimeError, match="attention_backend='torch'"):
-        decode_kernel.decode_kernel_for("cpp", CPU, torch.float32)
+        kernel_build.decode_kernel_for("cpp", CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain-torch attention"):
         llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, attention_backend="auto")
     assert llm.engine.runner.decode_kernel is None
@@ -111,10 +111,10 @@ def test_backend_option_is_checked(tiny_model_path):
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()
-    long_ago = time.time() - decode_kernel.STALE_LOCK_SECONDS - 1
+    long_ago = time.time() - kernel_build.STALE_LOCK_SECONDS - 1
     os.utime(lock, (long_ago, long_ago))
     with pytest.warns(UserWarning, match="did not finish"):
-        decode_kernel.wait_for_build_lock(lock)
+        kernel_build.wait_for_build_lock(lock)
     assert not lock.exists()
 
 
@@ -126,14 +126,14 @@ def test_a_build_under_way_is_waited_for_and_a_hung_one_removed_after_max_age(tm
     start = time.monotonic()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # its lock is left alone
-        decode_kernel.wait_for_build_lock(lock, poll=0.02)
+        kernel_build.wait_for_build_lock(lock, poll=0.02)
     other_build.join()
     assert time.monotonic() - start >= 0.25
 
     lock.touch()  # a build that never finishes
     start = time.monotonic()
     with pytest.warns(UserWarning, match="did not finish"):
-        decode_kernel.wait_for_build_lock(lock, max_age=0.3, poll=0.02)
+        kernel_build.wait_for_build_lock(lock, max_age=0.3, poll=0.02)
     assert not lock.exists() and time.monotonic() - start >= 0.25
 
 
@@ -150,14 +150,14 @@ def test_the_build_waits_on_the_lock_torch_takes(monkeypatch, tmp_path):
         return "the library"
 
     monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
-    assert decode_kernel._build.__wrapped__() == "the library"  # __wrapped__: past the per-process cache
+    assert kernel_build._build.__wrapped__() == "the library"  # __wrapped__: past the per-process cache
     lock = Path(build_dirs[0]) / "lock"
     assert lock.parent.parent == tmp_path
     lock.touch()  # left by a build that was killed long ago
-    long_ago = time.time() - decode_kernel.STALE_LOCK_SECONDS - 1
+    long_ago = time.time() - kernel_build.STALE_LOCK_SECONDS - 1
     os.utime(lock, (long_ago, long_ago))
     with pytest.warns(UserWarning, match="did not finish"):
-        assert decode_kernel._build.__wrapped__() == "the library"
+        assert kernel_build._build.__wrapped__() == "the library"
 
 
 def test_a_stale_lock_replaced_by_a_new_build_is_left_alone(tmp_path):
@@ -167,5 +167,5 @@ def test_a_stale_lock_replaced_by_a_new_build_is_left_alone(tmp_path):
     lock.unlink()  # another process removed the stale lock ...
     lock.touch()  # ... and started its own build
     os.utime(lock, ns=(stale.st_mtime_ns + 10**9, stale.st_mtime_ns + 10**9))
-    assert not decode_kernel._remove_if_unchanged(lock, stale)
+    assert not kernel_build._remove_if_unchanged(lock, stale)
     assert lock.exists()
