@@ -29,17 +29,19 @@ __all__ = [
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse an unknown name, or "cpp" where the kernel cannot run."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if backend == "cpp" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 only (got {device.type}, {dtype}); "
-                         "use 'torch' or 'auto'")
+    _check_backend("attention_backend", backend, ATTENTION_BACKENDS, "cpp", device, dtype)
 
 
 def check_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse an unknown name, or "onednn" where packed weights cannot run."""
-    if backend not in LINEAR_BACKENDS:
-        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {backend!r}")
-    if backend == "onednn" and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"linear_backend='onednn' runs on the CPU in float32 only (got {device.type}, {dtype}); "
+    _check_backend("linear_backend", backend, LINEAR_BACKENDS, "onednn", device, dtype)
+
+
+def _check_backend(
+    option: str, backend: str, choices: tuple[str, ...], cpu_only: str, device: torch.device, dtype: torch.dtype
+) -> None:
+    if backend not in choices:
+        raise ValueError(f"{option} must be one of {choices}, got {backend!r}")
+    if backend == cpu_only and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"{option}={cpu_only!r} runs on the CPU in float32 only (got {device.type}, {dtype}); "
                          "use 'torch' or 'auto'")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -47,15 +48,11 @@ class RadixTree:
     # --8<-- [start:match_prefix]
     def match_prefix(self, tokens: list[int]) -> tuple[list[int], Node]:
         """The blocks of the longest cached prefix of ``tokens`` (whole blocks only), and its last node."""
-        node, blocks, i = self.root, [], 0
-        while i + self.block_size <= len(tokens):
-            child = node.children.get(tuple(tokens[i : i + self.block_size]))
-            if child is None:
-                break
-            same = self._common_blocks(child, tokens, i)
+        node, blocks = self.root, []
+        for child, same in self._shared_edges(tokens):
             if same < len(child.blocks):
                 child = self._split(child, same)  # the prompt leaves this edge midway: stop at a node of its own
-            node, i = child, i + len(child.tokens)
+            node = child
             node.last_access = next(self._clock)
             blocks += node.blocks
         return blocks, node
@@ -64,18 +61,27 @@ class RadixTree:
     # --8<-- [start:cached_prefix_length]
     def cached_prefix_length(self, tokens: list[int]) -> int:
         """How many tokens ``match_prefix`` would match, found read-only: no edge is split, no node counts as used."""
+        return self.block_size * sum(same for _, same in self._shared_edges(tokens))
+    # --8<-- [end:cached_prefix_length]
+
+    # --8<-- [start:shared_edges]
+    def _shared_edges(self, tokens: list[int]) -> Iterator[tuple[Node, int]]:
+        """The edges ``tokens`` follows from the root, each with how many of its blocks the tokens share.
+
+        The last edge may be shared only in part; the walk stops there, so a caller may split it.
+        """
         node, i = self.root, 0
         while i + self.block_size <= len(tokens):
             child = node.children.get(tuple(tokens[i : i + self.block_size]))
             if child is None:
-                break
+                return
             same = self._common_blocks(child, tokens, i)
-            i += same * self.block_size
-            if same < len(child.blocks):
-                break  # the prompt leaves this edge midway
-            node = child
-        return i
-    # --8<-- [end:cached_prefix_length]
+            whole_edge = same == len(child.blocks)
+            yield child, same
+            if not whole_edge:
+                return
+            node, i = child, i + len(child.tokens)
+    # --8<-- [end:shared_edges]
 
     # --8<-- [start:insert]
     def insert(self, tokens: list[int], blocks: list[int]) -> tuple[Node, list[int]]:
