@@ -67,3 +67,20 @@ def mod(milestone):
 @pytest.fixture(scope="module")
 def tiny_llm(mod, tiny_model_path):
     return mod.LLM(tiny_model_path, device="cpu", max_model_len=512)
+
+
+REPORT = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture
+def report(request):
+    """Add a line to the summary printed at the end of the run (e.g. how many cases a property test tried)."""
+    return request.config.stash.setdefault(REPORT, []).append
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    lines = config.stash.get(REPORT, [])
+    if lines:
+        terminalreporter.write_sep("=", "reported by the tests")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -20,9 +20,7 @@ class EngineConfig:
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
-        device = torch.device(self.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+        device = _resolve_device(self.device)
         dtype = self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if isinstance(dtype, str):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -35,5 +33,24 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
             )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """The CPU or a CUDA GPU that is really there; anything else is refused now rather than failing later."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device

@@ -264,7 +264,14 @@ class CausalLM(nn.Module):
                     if name == "lm_head.weight" and self.config.tie_word_embeddings:
                         continue  # some checkpoints store the tied head anyway
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for {self.config.model_type}")
-                params[name].data.copy_(tensor)
+                expected = params[name]
+                if tensor.shape != expected.shape:  # copy_ would broadcast a [1, n] tensor without a word
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
+                                     f"makes it {list(expected.shape)}: the weights and the config do not match")
+                if not tensor.is_floating_point():
+                    raise ValueError(f"{file.name}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
+                                     "(float32, bfloat16 or float16)")
+                expected.data.copy_(tensor)
                 loaded.add(name)
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         missing = set(params) - loaded - tied

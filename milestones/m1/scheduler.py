@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, check_sequences
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
@@ -55,6 +55,10 @@ class Scheduler:
             self.running = None
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def check_integrity(self) -> None:
+        """At most one request runs, and every request's state agrees with where it sits."""
+        check_sequences(self.running_seqs(), list(self.waiting), self.config.max_model_len)
 
     def running_seqs(self) -> list[Sequence]:
         return [self.running] if self.running else []

@@ -4,13 +4,17 @@
 ``step`` runs one forward pass and returns the requests it advanced, and
 ``abort_request`` drops a request wherever it is. Bad input is refused in
 ``add_request`` with a ``ValueError`` before anything is queued, so it can never
-disturb the requests already running.
+disturb the requests already running. Calls from several threads take turns on
+the engine's lock (``LLM.generate`` holds it for its whole run).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import random
+import threading
 import time
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -29,6 +33,17 @@ from .sequence import Sequence
 Prompt = str | list[int]
 
 
+# --8<-- [start:serialized]
+def serialized(method):
+    """Run an engine method under the engine's lock, so calls from several threads never interleave."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+# --8<-- [end:serialized]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         path = resolve_model(config.model)
@@ -41,8 +56,10 @@ class LLMEngine:
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.num_steps = 0
+        self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
 
     # --8<-- [start:add_request]
+    @serialized
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; return its id."""
         params = SamplingParams() if params is None else params
@@ -59,7 +76,7 @@ class LLMEngine:
                 f"lower max_tokens to at most {limit - len(token_ids)}, "
                 "or pass max_tokens=None to stop at the context limit"
             )
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        request_id = self._new_request_id() if request_id is None else str(request_id)
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         seq = Sequence(
@@ -74,13 +91,25 @@ class LLMEngine:
         return request_id
     # --8<-- [end:add_request]
 
+    def _new_request_id(self) -> str:
+        """The next automatic id that no unfinished request uses (a caller may have picked "7" already)."""
+        request_id = str(next(self._ids))
+        while self.scheduler.find(request_id) is not None:
+            request_id = str(next(self._ids))
+        return request_id
+
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"the prompt is not valid text: {err.reason} at character {err.start} "
+                                 f"({prompt[err.start:err.end]!r}); remove or replace it") from None
             token_ids = self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            token_ids = list(prompt)
         else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            token_ids = as_token_ids(prompt)
+            if token_ids is None:
+                raise ValueError(f"a prompt must be a string or a list of token ids (integers), got {prompt!r:.80}")
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one character or token id")
         vocab = self.model_config.vocab_size
@@ -90,6 +119,7 @@ class LLMEngine:
         return token_ids
 
     # --8<-- [start:step]
+    @serialized
     def step(self) -> list[RequestOutput]:
         """Run one forward pass; return an output for every request that gained a token or finished."""
         batch = self.scheduler.schedule()
@@ -132,6 +162,7 @@ class LLMEngine:
             seq.finish("length")
     # --8<-- [end:stop_rules]
 
+    @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request now; its partial output is returned."""
         seq = self.scheduler.find(str(request_id))
@@ -141,13 +172,29 @@ class LLMEngine:
         self.scheduler.finish(seq)
         return RequestOutput.from_sequence(seq)
 
+    @serialized
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @serialized
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any request's state, or the KV bookkeeping, is inconsistent."""
+        self.scheduler.check_integrity()
+
+    @serialized
     def kv_usage(self) -> dict[str, int]:
         """KV cache bytes reserved up front vs bytes holding tokens of running requests right now."""
         computed = sum(seq.num_computed_tokens for seq in self.scheduler.running_seqs())
         return {"reserved_bytes": self.runner.kv_cache_bytes, "used_bytes": computed * self.runner.kv_bytes_per_token}
+
+
+def as_token_ids(prompt: object) -> list[int] | None:
+    """A list of Python ints from a list, tuple or 1-D array of integers (NumPy's included); None if it is not one."""
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt):
+        return None
+    return [operator.index(t) for t in prompt]
 
 
 def _eos_token_ids(path) -> set[int]:

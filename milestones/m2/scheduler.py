@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, check_sequences
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
@@ -81,6 +81,13 @@ class Scheduler:
             self.free_slots.append(self.kv_slot.pop(seq.request_id))
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def check_integrity(self) -> None:
+        """Every request's state agrees with where it sits, and each running one owns its own KV slot."""
+        check_sequences(self.running, list(self.waiting), self.config.max_model_len)
+        assert set(self.kv_slot) == {seq.request_id for seq in self.running}, "a KV slot has no running request"
+        slots = [*self.kv_slot.values(), *self.free_slots]
+        assert sorted(slots) == list(range(self.config.max_num_seqs)), "a KV slot is lost or has two owners"
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)

@@ -2,60 +2,98 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM: dividing logits by them overflows
+SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit random generator can be seeded with
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """Per-request sampling and stopping rules, checked when constructed.
+    """Per-request sampling and stopping rules, checked when constructed and immutable afterwards.
 
     * ``temperature=0`` means greedy: always the most likely token.
     * ``top_k=-1`` keeps the whole vocabulary (vLLM's convention); ``0`` is refused
       so that "no limit" has exactly one spelling.
     * ``top_p=1.0`` keeps the whole distribution.
     * ``max_tokens=None`` generates until a stop or the model's context is full.
-    * ``seed`` gives the request its own random generator: the same seed gives the
-      same tokens whatever else runs alongside it.
+    * ``seed`` fixes the request's random numbers: the same seed gives the same
+      tokens whatever else runs alongside it.
+
+    Frozen, so a request cannot be changed under the engine after it was checked:
+    ``dataclasses.replace(params, top_k=50)`` makes a changed copy, checked again.
+    NumPy numbers are accepted and stored as Python ones.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int | None = 16
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] | list[str] | str | None = ()
+    stop_token_ids: tuple[int, ...] | list[int] | None = ()
     ignore_eos: bool = False
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("temperature", "top_p"):
+            _set(self, name, _as_real(name, getattr(self, name)))
+        for name in ("top_k", "max_tokens", "seed"):
+            value = getattr(self, name)
+            _set(self, name, None if value is None else _as_int(name, value))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _set(self, "stop", _as_tuple("stop", stop, "a string or a list of strings"))
+        _set(self, "stop_token_ids", tuple(
+            _as_int("stop_token_ids", t) for t in _as_tuple("stop_token_ids", self.stop_token_ids, "a list of integers")
+        ))
         self._check()
 
     def _check(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+        if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(
                 f"max_tokens must be an integer >= 1 (or None for 'until the context is full'), got {self.max_tokens!r}"
             )
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, in [-2**63, 2**64), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _set(params: SamplingParams, name: str, value: object) -> None:
+    """Store a normalised value in the frozen dataclass (only while it is being constructed)."""
+    object.__setattr__(params, name, value)
+
+
+def _as_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_tuple(name: str, value: object, expected: str) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return tuple(value)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, check_sequences
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
@@ -120,6 +120,17 @@ class Scheduler:
             self.block_manager.free(seq.request_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def check_integrity(self) -> None:
+        """Every request's state agrees with where it sits, its blocks hold what it computed, and no block is lost."""
+        check_sequences(self.running, list(self.waiting), self.config.max_model_len)
+        tables = self.block_manager.block_tables
+        assert set(tables) == {seq.request_id for seq in self.running}, "a block table has no running request"
+        for seq in self.running:
+            assert len(tables[seq.request_id]) >= self.block_manager.blocks_needed(seq.num_computed_tokens), (
+                f"request {seq.request_id!r} computed more tokens than its blocks hold"
+            )
+        self.block_manager.check_integrity()
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)

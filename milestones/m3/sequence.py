@@ -50,13 +50,12 @@ class Sequence:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int  # the request's own random stream; resolved from the engine's seed when not given
+    seed: int  # seeds the noise of every sampled token; resolved from the engine's seed when not given
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)  # prompt followed by the generated tokens
     num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    generator: object = None  # the sampler's per-request random generator, made on first use
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:
@@ -86,3 +85,26 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.metrics.finished_time = time.perf_counter()
+
+    def check_integrity(self, status: SequenceStatus, max_model_len: int) -> None:
+        """Raise AssertionError if the request's counters contradict each other or the queue it sits in."""
+        name = f"request {self.request_id!r}"
+        assert self.status is status, f"{name} is {self.status.value} but sits among the {status.value} requests"
+        assert self.token_ids[: self.num_prompt_tokens] == self.prompt_token_ids, f"{name} lost its prompt"
+        assert 0 <= self.num_computed_tokens < self.num_tokens <= max_model_len, (
+            f"{name}: num_computed_tokens={self.num_computed_tokens} must be below its {self.num_tokens} tokens, "
+            f"and those at most max_model_len={max_model_len}"
+        )
+        limit = self.params.max_tokens
+        assert limit is None or self.num_output_tokens < limit, f"{name} reached max_tokens without finishing"
+
+
+def check_sequences(running: list[Sequence], waiting: list[Sequence], max_model_len: int) -> None:
+    """Each unfinished request sits in one place, in the state that place implies; waiting ones hold no KV."""
+    request_ids = [seq.request_id for seq in [*running, *waiting]]
+    assert len(request_ids) == len(set(request_ids)), "a request sits in the scheduler twice"
+    for seq in running:
+        seq.check_integrity(SequenceStatus.RUNNING, max_model_len)
+    for seq in waiting:
+        seq.check_integrity(SequenceStatus.WAITING, max_model_len)
+        assert seq.num_computed_tokens == 0, f"waiting request {seq.request_id!r} claims computed tokens"

@@ -46,7 +46,12 @@ class ModelRunner:
         bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element_size
         if config.num_kv_blocks is None:  # size the pool from the memory budget; the scheduler reads it back
             budget = config.kv_cache_memory_bytes or config.max_num_seqs * config.max_model_len * bytes_per_token
-            config.num_kv_blocks = max(1, budget // (bytes_per_token * config.block_size))
+            config.num_kv_blocks = budget // (bytes_per_token * config.block_size)
+            if config.num_kv_blocks == 0:
+                raise ValueError(
+                    f"kv_cache_memory_bytes ({budget}) holds no block of {config.block_size} tokens "
+                    f"({bytes_per_token * config.block_size} bytes): raise it, or lower block_size"
+                )
         shape = (model_config.num_layers, model_config.num_kv_heads, config.num_kv_blocks, config.block_size,
                  model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)

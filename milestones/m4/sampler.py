@@ -2,9 +2,10 @@
 
 Greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k
 and top-p, then draw with the *exponential race*: ``argmax(probs / E)`` with
-``E ~ Exponential(1)`` picks index i with probability ``probs[i]``. The noise
-comes from the request's own generator, so a seeded request draws the same
-numbers whatever else shares its batch.
+``E ~ Exponential(1)`` picks index i with probability ``probs[i]``. The noise for
+a request's n-th token is seeded by (its seed, n) alone: a seeded request draws the
+same numbers whatever else shares its batch, and a step that fails, or a request
+that is preempted and recomputed, leaves no random state half-advanced.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .sequence import Sequence
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.generator = torch.Generator(device=device)  # re-seeded for every row it draws
 
     # --8<-- [start:sample]
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -53,7 +55,22 @@ class Sampler:
         return filtered.softmax(dim=-1)
     # --8<-- [end:filtered_probs]
 
+    # --8<-- [start:exponential_noise]
     def exponential_noise(self, seq: Sequence, vocab: int) -> torch.Tensor:
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
-        return torch.empty(vocab, device=self.device).exponential_(generator=seq.generator)
+        """Exponential(1) noise for the sequence's next token, a function of its seed and that token's position."""
+        self.generator.manual_seed(noise_seed(seq.seed, seq.num_tokens))
+        return torch.empty(vocab, device=self.device).exponential_(generator=self.generator)
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """Mix a request's seed with a token position into one 64-bit seed (SplitMix64's finaliser).
+
+    Neighbouring positions get unrelated seeds, and every bit of the input matters
+    (a CPU generator keeps only the low 32 bits of its seed).
+    """
+    mask = 2**64 - 1
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+# --8<-- [end:exponential_noise]

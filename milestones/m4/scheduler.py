@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
 from .radix_tree import Node, RadixTree
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, check_sequences
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
@@ -181,7 +181,15 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def check_integrity(self) -> None:
-        """free + cached + in-use blocks = the pool, and the tree is well formed."""
+        """Every request's state agrees with where it sits and its blocks hold what it computed; free + cached +
+        in-use blocks = the pool, and the tree is well formed."""
+        check_sequences(self.running, list(self.waiting), self.config.max_model_len)
+        tables = self.block_manager.block_tables
+        assert set(tables) == {seq.request_id for seq in self.running}, "a block table has no running request"
+        for seq in self.running:
+            assert len(tables[seq.request_id]) >= self.block_manager.blocks_needed(seq.num_computed_tokens), (
+                f"request {seq.request_id!r} computed more tokens than its blocks hold"
+            )
         cached = self.tree.cached_blocks() if self.tree is not None else []
         self.block_manager.check_integrity(cached)
         if self.tree is not None:

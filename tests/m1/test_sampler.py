@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from milestones.m1.detokenizer import IncrementalDetokenizer
-from milestones.m1.sampler import Sampler
+from milestones.m1.sampler import Sampler, noise_seed
 from milestones.m1.sampling_params import SamplingParams
 from milestones.m1.sequence import Sequence
 
@@ -20,8 +20,11 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
 
 def draw(n: int, **params) -> torch.Tensor:
+    """n tokens of one sequence, each appended before the next is drawn (the noise depends on the position)."""
     sampler, s = Sampler(torch.device("cpu")), seq(**params)
-    return torch.tensor([sampler(LOGITS, [s])[0] for _ in range(n)])
+    for _ in range(n):
+        s.token_ids.append(sampler(LOGITS, [s])[0])
+    return torch.tensor(s.output_token_ids)
 
 
 def test_greedy_takes_the_argmax_per_row():
@@ -51,5 +54,17 @@ def test_seed_fixes_the_stream_and_rows_do_not_interact():
     assert torch.equal(a, draw(50, seed=5))
     assert not torch.equal(a, draw(50, seed=6))
     sampler, s1, s2 = Sampler(torch.device("cpu")), seq(seed=5), seq(seed=9)
-    both = [sampler(LOGITS.repeat(2, 1), [s1, s2])[0] for _ in range(50)]
-    assert torch.equal(torch.tensor(both), a)
+    for _ in range(50):
+        for s, token in zip([s1, s2], sampler(LOGITS.repeat(2, 1), [s1, s2])):
+            s.token_ids.append(token)
+    assert torch.equal(torch.tensor(s1.output_token_ids), a)
+
+
+def test_the_noise_depends_only_on_seed_and_position():
+    """No random state is carried from one draw to the next: drawing again (after a failed step, say) repeats."""
+    s = seq(seed=5)
+    first = Sampler(torch.device("cpu")).exponential_noise(s, 1000)
+    assert torch.equal(Sampler(torch.device("cpu")).exponential_noise(s, 1000), first)
+    s.token_ids.append(0)
+    assert not torch.equal(Sampler(torch.device("cpu")).exponential_noise(s, 1000), first)
+    assert noise_seed(5, 0) != noise_seed(5, 1) and noise_seed(5, 0) != noise_seed(5 + 2**32, 0)

@@ -32,7 +32,8 @@ def tree_state(scheduler: Scheduler) -> list[tuple]:
 
 
 def test_lpm_sorts_by_cached_length_without_changing_the_tree():
-    config = EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, block_size=BLOCK_SIZE, num_kv_blocks=32,
+    config = EngineConfig(max_model_len=64, max_num_seqs=1, max_num_batched_tokens=64, block_size=BLOCK_SIZE,
+                          num_kv_blocks=32,
                           scheduling_policy="lpm")
     scheduler = Scheduler(config)
     warm = make_seq("warm", SYSTEM + [1])
