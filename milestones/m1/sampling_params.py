@@ -31,15 +31,17 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int | None = 16
-    stop: tuple[str, ...] | list[str] | str | None = ()
-    stop_token_ids: tuple[int, ...] | list[int] | None = ()
+    stop: tuple[str, ...] = ()  # a string or any list of strings is accepted, and stored as a tuple
+    stop_token_ids: tuple[int, ...] = ()  # any list or array of integers is accepted, and stored as a tuple
     ignore_eos: bool = False
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        # Frozen: normalised values are stored with object.__setattr__, once, here.
         for name in ("temperature", "top_p"):
             _set(self, name, _as_real(name, getattr(self, name)))
-        for name in ("top_k", "max_tokens", "seed"):
+        _set(self, "top_k", _as_int("top_k", self.top_k))
+        for name in ("max_tokens", "seed"):  # None is meaningful for these two
             value = getattr(self, name)
             _set(self, name, None if value is None else _as_int(name, value))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -80,9 +82,14 @@ def _set(params: SamplingParams, name: str, value: object) -> None:
 
 
 def _as_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    return float(value)
+    if isinstance(value, Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
 
 
 def _as_int(name: str, value: object) -> int:
@@ -94,6 +101,6 @@ def _as_int(name: str, value: object) -> int:
 def _as_tuple(name: str, value: object, expected: str) -> tuple:
     if value is None:
         return ()
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or getattr(value, "ndim", 1) == 0:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
     return tuple(value)

@@ -44,7 +44,7 @@ class Sampler:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=self.device)
-        k = torch.tensor([vocab if k == -1 else k for k in top_k], device=self.device)
+        k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=self.device)
         sorted_logits.masked_fill_(rank >= k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.

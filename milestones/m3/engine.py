@@ -199,7 +199,9 @@ def as_token_ids(prompt: object) -> list[int] | None:
     """A list of Python ints from a list, tuple or 1-D array of integers (NumPy's included); None if it is not one."""
     if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
         prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)) or any(isinstance(t, bool) or not hasattr(t, "__index__") for t in prompt):
+    if not isinstance(prompt, (list, tuple)) or any(
+        isinstance(t, bool) or not hasattr(t, "__index__") or getattr(t, "ndim", 0) != 0 for t in prompt
+    ):
         return None
     return [operator.index(t) for t in prompt]
 

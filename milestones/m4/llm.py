@@ -47,7 +47,7 @@ class LLM:
                                  "pass one, or one per prompt")
             params = sampling_params
         else:
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [SamplingParams() if sampling_params is None else sampling_params] * len(prompts)
         request_ids = []
         with self.engine.lock:  # other threads' calls wait until this one is done
             try:

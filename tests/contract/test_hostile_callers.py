@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -91,22 +92,28 @@ def test_generate_from_two_threads_takes_turns(mod, tiny_llm, reference):
     assert_still_serves(mod, tiny_llm, reference)
 
 
-def test_engine_calls_from_another_thread_wait_for_generate(mod, tiny_llm, reference):
+def test_engine_calls_from_another_thread_wait_for_generate(mod, tiny_llm, reference, monkeypatch):
     engine, params = tiny_llm.engine, greedy(mod, 6)
     expected = tiny_llm.generate(["Good morning", "Good night"], params, use_tqdm=False)
-    added: list[str] = []
+    real_execute, events = engine.runner.execute, []
 
-    def add_while_generating() -> None:
-        added.append(engine.add_request("Good night", params, request_id="side"))
+    def slow_execute(batch):  # every step takes a while, so the other thread calls while generate runs
+        events.append("step")
+        time.sleep(0.05)
+        return real_execute(batch)
 
-    with engine.lock:  # as generate holds it: the other thread's call must wait, not interleave
-        thread = threading.Thread(target=add_while_generating)
-        thread.start()
-        thread.join(timeout=0.5)
-        assert thread.is_alive() and not added, "add_request ran while another thread held the engine"
-        outs = tiny_llm.generate("Good morning", params, use_tqdm=False)  # the lock is re-entrant
-    thread.join(timeout=60)
-    assert added == ["side"]
+    monkeypatch.setattr(engine.runner, "execute", slow_execute)
+    outs = []
+    generating = threading.Thread(target=lambda: outs.extend(tiny_llm.generate("Good morning", params,
+                                                                               use_tqdm=False)))
+    generating.start()
+    while not events:
+        time.sleep(0.005)
+    engine.add_request("Good night", params, request_id="side")  # must wait until generate has returned
+    events.append("added")
+    generating.join(timeout=60)
+    monkeypatch.undo()
+    assert events[-1] == "added" and events.count("step") == 6, events
     finals = run_to_completion(engine)
     assert outs[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert finals["side"].outputs[0].token_ids == expected[1].outputs[0].token_ids
@@ -283,8 +290,9 @@ def test_numpy_prompts_and_ids_are_accepted(mod, tiny_llm, reference):
     as_array = tiny_llm.generate(np.array(ids), greedy(mod), use_tqdm=False)
     as_numpy_ints = tiny_llm.generate([np.int64(t) for t in ids], greedy(mod), use_tqdm=False)
     as_rows = tiny_llm.generate(np.array([ids, ids]), greedy(mod), use_tqdm=False)
+    as_arrays = tiny_llm.generate([np.array(ids), torch.tensor(ids)], greedy(mod), use_tqdm=False)  # two prompts
     assert as_list == reference
-    assert [o.outputs[0].token_ids for o in [*as_array, *as_numpy_ints, *as_rows]] == [reference] * 4
+    assert [o.outputs[0].token_ids for o in [*as_array, *as_numpy_ints, *as_rows, *as_arrays]] == [reference] * 6
     assert all(type(t) is int for t in as_array[0].prompt_token_ids)
     params = mod.SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), max_tokens=np.int32(3),
                                 stop_token_ids=np.array([7]), seed=np.uint64(9))
@@ -324,6 +332,10 @@ def test_malformed_chat_messages_are_refused(mod, tiny_llm, reference, messages,
         ({"ignore_eos": "yes"}, "ignore_eos"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"seed": 1.0}, "seed"),
+        ({"top_k": None}, "top_k"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"top_p": 10**400}, "top_p"),
+        ({"stop_token_ids": np.array(7)}, "stop_token_ids"),
         ({"seed": True}, "seed"),
     ],
 )
@@ -347,3 +359,20 @@ def test_engine_options_of_the_wrong_type_are_refused(mod, tiny_model_path, opti
         pytest.skip(f"{mod.__name__} has no option {sorted(options)}")
     with pytest.raises(ValueError, match=field):
         mod.LLM(tiny_model_path, device="cpu", max_model_len=64, **options)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_everything(mod, tiny_llm, reference):
+    """top_k larger than the vocabulary (even beyond 64 bits) means no cut, not an overflow in every later step."""
+    params = mod.SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)
+    unlimited = tiny_llm.generate(REFERENCE_PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    for top_k in (10**6, 2**63, 2**80):
+        huge = dataclasses.replace(params, top_k=top_k)
+        assert tiny_llm.generate(REFERENCE_PROMPT, huge, use_tqdm=False)[0].outputs[0].token_ids == unlimited
+    assert_still_serves(mod, tiny_llm, reference)
+
+
+@pytest.mark.parametrize("junk", [0, {}, False, "greedy"])
+def test_sampling_params_that_are_not_sampling_params_are_refused(mod, tiny_llm, reference, junk):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        tiny_llm.generate("hi", junk, use_tqdm=False)
+    assert_still_serves(mod, tiny_llm, reference)

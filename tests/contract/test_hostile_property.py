@@ -50,7 +50,7 @@ sampling_values = st.fixed_dictionaries(
     optional={
         "temperature": st.one_of(st.floats(-1, 3), st.sampled_from([0, 1e-45, float("nan"), float("inf"), True, "1"])),
         "top_p": st.one_of(st.floats(-0.5, 1.5), st.sampled_from([1.0, float("nan"), True])),
-        "top_k": st.one_of(st.integers(-3, 60), st.sampled_from([True, 2.5])),
+        "top_k": st.one_of(st.integers(-3, 60), st.sampled_from([True, 2.5, None, 2**63, 10**30])),
         "max_tokens": st.one_of(st.integers(-1, 10), st.sampled_from([None, 2.5, True, MAX_MODEL_LEN])),
         "stop": st.one_of(st.none(), st.text(max_size=3), st.lists(st.text(max_size=3), max_size=2), st.just(5)),
         "stop_token_ids": st.one_of(st.lists(st.integers(-1, 300), max_size=2), st.just(5)),
@@ -166,8 +166,8 @@ class HostileCaller(RuleBasedStateMachine):
             return
         try:
             outs = self.llm.generate(batch, params, use_tqdm=False)
-        except ValueError as err:
-            assert refused_clearly(err), err
+        except ValueError as err:  # refused before any step ran, never a step that failed
+            assert refused_clearly(err) and str(err).startswith(("prompt ", "prompts ", "got ")), err
             self.counts["refused"] += 1
             self.forget_finished()
             return
@@ -215,6 +215,7 @@ class HostileCaller(RuleBasedStateMachine):
             thread.start()
         for thread in threads:
             thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads), "a generate call never returned"
         assert not errors, errors
         self.forget_finished()
         for name, batch in (("first", first), ("second", second)):
