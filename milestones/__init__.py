@@ -7,7 +7,7 @@ checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson
 Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all.
 """
 
-MILESTONES = ["m1", "m2", "m3", "m4"]
+MILESTONES = ["m1", "m2", "m3", "m4", "m5"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
@@ -20,4 +20,6 @@ CHANGED_FILES: dict[str, set[str]] = {
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting
     "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py",
            "outputs.py"},
+    # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
+    "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py"},
 }

@@ -1,0 +1,127 @@
+"""m5 against m4 token for token, with the decode step captured and with it eager, plus the traps of replay.
+
+On a CPU a capture is a torch.compile per batch size (tens of seconds each on two cores), so
+these tests capture few sizes, chosen so that batches both fit a bucket exactly and need padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from milestones import m4, m5
+from tests.conftest import needs_compiler
+from tests.m2.test_vs_m1 import mixed_workload, run
+from tests.m4.test_vs_m3 import shared_prefix_workload
+
+pytestmark = needs_compiler  # torch.compile on a CPU builds C++
+LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+SIZES = [1, 2, 4]  # a batch of 3 is padded to 4; a batch of 5 runs eagerly
+
+
+@pytest.fixture(scope="module")
+def captured(tiny_model_path):
+    return m5.LLM(tiny_model_path, cudagraph_capture_sizes=SIZES, **LIMITS)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    return mixed_workload(16, seed=3, max_prompt=90, max_output=40)
+
+
+def checked(llm):
+    llm.engine.check_integrity()
+    return llm
+
+
+def test_m5_matches_m4_on_a_mixed_workload(tiny_model_path, captured, mixed):
+    reference = run(m4, m4.LLM(tiny_model_path, **LIMITS), *mixed)
+    before = captured.engine.graph_stats()
+    assert run(m5, checked(captured), *mixed) == reference
+    stats = captured.engine.graph_stats()
+    assert stats["captured_sizes"] == SIZES
+    assert stats["replays"] > before["replays"] and stats["eager_steps"] > before["eager_steps"]
+    eager = m5.LLM(tiny_model_path, enforce_eager=True, **LIMITS)
+    assert run(m5, eager, *mixed) == reference
+    assert eager.engine.graph_stats()["replays"] == 0
+    checked(captured)
+
+
+def test_m5_matches_m4_with_preemption_and_prefix_hits(tiny_model_path):
+    prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=5)
+    settings = [dict(s, max_tokens=30) for s in settings]  # long decodes, so steps of decodes alone happen
+    tight = dict(LIMITS, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
+    reference = run(m4, m4.LLM(tiny_model_path, **tight), prompts, settings)
+    llm = m5.LLM(tiny_model_path, cudagraph_capture_sizes=SIZES, **tight)
+    assert run(m5, llm, prompts, settings) == reference
+    usage = llm.engine.kv_usage()
+    assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
+    stats = llm.engine.graph_stats()
+    assert stats["replays"] > 0 and stats["padded_rows"] > 0, stats
+    checked(llm)
+
+
+def test_a_padded_replay_writes_only_the_real_requests_blocks(captured):
+    engine = captured.engine
+    params = m5.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(["One request", "Two requests here", "And a third one"]):
+        engine.add_request(prompt, params, request_id=f"pad{i}")
+    engine.step()  # the three prompts
+    runner, before = engine.runner, engine.graph_stats()
+    k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
+    tables = {r: list(t) for r, t in engine.scheduler.block_manager.block_tables.items()}
+    engine.step()  # three decodes, replayed as a batch of four
+    after = engine.graph_stats()
+    assert after["replays"] == before["replays"] + 1 and after["padded_rows"] == before["padded_rows"] + 1
+    touched = {b for t in tables.values() for b in t} | {runner.graph_runner.scratch_block}
+    untouched = [b for b in range(runner.k_cache.shape[2]) if b not in touched]
+    assert torch.equal(runner.k_cache[:, :, untouched], k_before[:, :, untouched])
+    assert torch.equal(runner.v_cache[:, :, untouched], v_before[:, :, untouched])
+    while engine.has_unfinished_requests():
+        engine.step()
+    checked(captured)
+
+
+def test_a_small_batch_after_a_large_one_decodes_as_it_does_alone(tiny_model_path, captured):
+    params = m5.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["A long story begins here and goes on", "Second", "Third one", "Fourth and last"]
+    reference = m4.LLM(tiny_model_path, **LIMITS)
+    alone = reference.generate("Alone", m4.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0].token_ids
+    captured.generate(prompts, params, use_tqdm=False)  # fills the static block tables of four rows
+    assert captured.generate("Alone", params, use_tqdm=False)[0].outputs[0].token_ids == alone
+    two = captured.generate(["Alone", "Second"], params, use_tqdm=False)  # bucket 2 after bucket 4
+    assert two[0].outputs[0].token_ids == alone
+    checked(captured)
+
+
+def test_replaying_never_recompiles(captured):
+    from torch._dynamo.utils import counters
+
+    params = m5.SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    captured.generate(["Warm", "up", "all", "sizes"], params, use_tqdm=False)
+    graphs_before = counters["stats"]["unique_graphs"]
+    replays_before = captured.engine.graph_stats()["replays"]
+    captured.generate(["One", "two", "three"], params, use_tqdm=False)
+    captured.generate("Just one", params, use_tqdm=False)
+    assert captured.engine.graph_stats()["replays"] > replays_before
+    assert counters["stats"]["unique_graphs"] == graphs_before, "a replay compiled a new graph"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("sizes", [[0], [6], [], "4", [True]])
+def test_capture_sizes_are_checked(tiny_model_path, sizes):
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        m5.LLM(tiny_model_path, cudagraph_capture_sizes=sizes, **LIMITS)
+
+
+@pytest.mark.real_model
+def test_m5_matches_m4_on_the_bundled_model(bundled_model_path):
+    prompts, settings = mixed_workload(6, seed=11, max_prompt=40, max_output=24)
+    limits = dict(device="cpu", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64)
+    reference = run(m4, m4.LLM(bundled_model_path, **limits), prompts, settings)
+    llm = m5.LLM(bundled_model_path, cudagraph_capture_sizes=[2], **limits)  # one capture: a batch of 1 is padded
+    assert run(m5, llm, prompts, settings) == reference
+    stats = llm.engine.graph_stats()
+    assert stats["replays"] > 0 and stats["padded_rows"] > 0
+    checked(llm)
