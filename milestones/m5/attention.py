@@ -30,7 +30,7 @@ from milestones.kernels import DecodeKernel
 class AttentionContext:
     """What attention needs to know about this step, built by the model runner."""
 
-    k_cache: torch.Tensor  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    k_cache: torch.Tensor | list[torch.Tensor]  # [num_layers, kv_heads, blocks, block_size, dim], or a list by layer
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens]: block * block_size + offset of each new token
     block_tables: torch.Tensor  # the block tables of ``requests``, one after the other, gathered in one copy

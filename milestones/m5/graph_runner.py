@@ -47,6 +47,9 @@ class GraphRunner:
     def __init__(self, model: CausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor, kernel: DecodeKernel,
                  sizes: list[int], max_blocks: int) -> None:
         self.model, self.k_cache, self.v_cache, self.kernel = model, k_cache, v_cache, kernel
+        # One input per layer: torch.compile writes into a whole input in place, but a write into a slice of
+        # one input ([layers, ...] indexed by layer) makes it copy the whole pool, every step.
+        self.k_layers, self.v_layers = list(k_cache.unbind(0)), list(v_cache.unbind(0))
         self.sizes = sorted(sizes)
         self.scratch_block = k_cache.shape[2] - 1  # the pool's last block: the block manager never hands it out
         self.scratch_slot = self.scratch_block * k_cache.shape[3]
@@ -66,12 +69,12 @@ class GraphRunner:
     def buffers(self, size: int) -> tuple[torch.Tensor, ...]:
         """The first ``size`` rows of every static buffer: the inputs of the bucket's step."""
         return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
-                self.context_lens[:size], self.rows[:size], self.k_cache, self.v_cache)
+                self.context_lens[:size], self.rows[:size], self.k_layers, self.v_layers)
 
-    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, rows, k_cache, v_cache):
+    def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, rows, k_layers, v_layers):
         """The decode step as a function of tensors alone: every row is one request's one new token."""
         kernel_batch = KernelBatch(self.kernel, rows, block_tables, context_lens)
-        ctx = AttentionContext(k_cache, v_cache, slot_mapping, block_tables[:0, 0], [], kernel_batch)
+        ctx = AttentionContext(k_layers, v_layers, slot_mapping, block_tables[:0, 0], [], kernel_batch)
         return self.model(input_ids, positions, ctx)
 
     # --8<-- [start:capture]
