@@ -119,7 +119,7 @@ class GraphRunner:
 
     @staticmethod
     def _fill(buffer: torch.Tensor, size: int, values: list) -> None:
-        buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype))
 
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.sizes[-1]

@@ -106,7 +106,6 @@ def test_replaying_never_recompiles(captured):
     captured.generate("Just one", params, use_tqdm=False)
     assert captured.engine.graph_stats()["replays"] > replays_before
     assert counters["stats"]["unique_graphs"] == graphs_before, "a replay compiled a new graph"
-    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.parametrize("sizes", [[0], [6], [], "4", [True]])
