@@ -21,6 +21,7 @@ import torch
 
 from milestones import MILESTONES, m2
 from milestones.kernels import onednn_available
+from tests.conftest import needs_compiler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,6 +90,33 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
         assert rows[("decode", m)]["output_tokens"] == 8 and "ratio_to_hf" in rows[("decode", m)]
     # the same wanted tokens
     assert rows[("mixed", "hf-static-2")]["output_tokens"] == rows[("mixed", "m1")]["output_tokens"]
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_benchmark_batch_workload_and_bandwidth(tiny_model_path, tmp_path):
+    """Decode at each --batch-sizes (m1 skipped), m5 replays unless @eager, batch-1 decode gets its bandwidth share."""
+    out = tmp_path / "bench.json"
+    run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+               "--engines", "m1,m4,m5,m5@eager", "--workloads", "decode,batch", "--batch-sizes", "3,2",
+               "--max-num-seqs", "3", "--runs", "1", "--decode-tokens", "6", "--decode-prompt-len", "10",
+               "--out", str(out), "--plot", timeout=600)
+    data = json.loads(out.read_text())
+    rows = {(r["workload"], r["engine"]): r for r in data["results"]}
+    expected = {("decode", m) for m in ("m1", "m4", "m5", "m5@eager")}
+    expected |= {(f"batch-{b}", m) for b in (2, 3) for m in ("m4", "m5", "m5@eager")}
+    assert set(rows) == expected
+    assert all(row["status"] == "ok" for row in rows.values()), [row["error"] for row in rows.values()]
+    for size in (2, 3):
+        assert rows[(f"batch-{size}", "m4")]["num_requests"] == size
+        assert rows[(f"batch-{size}", "m4")]["output_tokens"] == 6 * size
+        for engine in ("m5", "m5@eager"):
+            assert rows[(f"batch-{size}", engine)]["same_tokens_as_m4"] == f"{size}/{size} requests"
+    assert rows[("batch-3", "m5")]["graph_stats"]["replays"] > 0
+    assert rows[("batch-3", "m5@eager")]["graph_stats"]["replays"] == 0
+    assert data["machine"]["memory_bandwidth_gb_s"] > 0
+    for engine in ("m1", "m4", "m5"):
+        assert 0 < rows[("decode", engine)]["bandwidth_fraction"]
+    assert "bandwidth_fraction" not in rows[("batch-2", "m4")]
     assert out.with_suffix(".png").stat().st_size > 0
 
 
@@ -182,7 +210,8 @@ def test_benchmark_reads_kv_usage_outside_the_timed_region(tiny_model_path, monk
     llm.engine.kv_usage = kv_usage_taking_an_hour
     requests = [workloads.Request(list(range(100, 110 + i)), max_tokens=4) for i in range(3)]
     setup = workloads.Setup(argparse.Namespace(m1_requests=0), tiny_model_path, torch.device("cpu"), torch.float32,
-                            workloads.Workloads([], requests, []), max_model_len=64, kv_bytes_per_token=0)
+                            workloads.Workloads([], requests, [], []), max_model_len=64, kv_bytes_per_token=0,
+                            weight_bytes_per_token=0)
     row = milestone_rows.mixed_row(rows.MilestoneRow("m2", "m2", {}), m2, llm, setup, "mixed")
     assert clock.hours == row["steps"] > 0  # one read after every step ...
     assert row["wall_s"] < 3600  # ... and none of them on the clock
@@ -260,10 +289,28 @@ def test_m4_inference_compare(tiny_model_path):
     assert "outputs: identical, token for token, for all 8 requests" in out
 
 
+@needs_compiler  # on a CPU, a capture is a torch.compile, which builds C++
+def test_m5_inference_compare(tiny_model_path):
+    # Three requests at a time and sizes 1 and 3: the last two requests' decodes are padded from 2 to 3.
+    out = run_script("examples/m5_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "6", "--compare",
+                                                             "--max-num-seqs", "3", "--cudagraph-capture-sizes", "1,3"),
+                     timeout=300).stdout
+    assert "=== captured ===" in out and "=== eager ===" in out
+    assert "decode step captured for batch sizes [1, 3]" in out
+    assert out.count("completion:") == 8  # the second run's texts are compared, not printed
+    rows = dict(re.findall(r"^  (steps replayed|steps run eagerly)\s+(\d+\s+\d+)$", out, re.M))
+    replayed, eager = (tuple(int(x) for x in rows[name].split()) for name in ("steps replayed", "steps run eagerly"))
+    assert replayed[0] > 0 and replayed[1] == 0  # the eager engine replays nothing
+    assert eager[0] < eager[1]  # the prefills run eagerly in both; the decodes only in the eager one
+    assert int(summary_value(out, "padded rows").split()[0]) > 0
+    assert "outputs: identical, token for token, for all 8 requests" in out
+
+
 @pytest.mark.parametrize("script, flags", [
     ("m2_inference.py", ("--num-prompts", "--max-tokens", "--max-num-seqs", "--max-num-batched-tokens", "--threads")),
     ("m3_inference.py", ("--block-size", "--num-kv-blocks", "--kv-cache-memory-mb", "--max-num-seqs")),
     ("m4_inference.py", ("--compare", "--no-prefix-caching", "--scheduling-policy", "--system", "--block-size")),
+    ("m5_inference.py", ("--compare", "--enforce-eager", "--cudagraph-capture-sizes", "--max-num-seqs")),
 ])
 def test_batched_demos_help(script, flags):
     proc = run_script(f"examples/{script}", "--help")

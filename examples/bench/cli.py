@@ -30,6 +30,17 @@ def int_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def size_list(text: str) -> list[int]:
+    """Comma-separated positive integers, e.g. --batch-sizes 4,16,64."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"every size must be >= 1, got {text!r}")
+    return sorted(set(sizes))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Benchmark the milestones against each other and against transformers, in one process.",
@@ -54,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-tokens", type=int, default=128, help="forced output tokens per run")
     g.add_argument("--decode-prompt-len", type=int, default=32, help="prompt length in tokens")
     g.add_argument("--runs", type=int, default=3, help="timed runs after one warm-up; the median is reported")
+    g.add_argument("--batch-sizes", type=size_list, default="4,16,64",
+                   help="the batch workload: decode with this many requests at once, each size a row")
 
     g = p.add_argument_group("mixed workload")
     g.add_argument("--num-requests", type=int, default=64, help="requests, all submitted at once")
@@ -142,10 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model_path = resolve_model(args.model)
     workloads = build_workloads(AutoTokenizer.from_pretrained(model_path), args)
+    hf_config = AutoConfig.from_pretrained(model_path)
     setup = Setup(args, model_path, device, dtype, workloads,
                   max_model_len=args.max_model_len or fitting_max_model_len(args, workloads),
-                  kv_bytes_per_token=hf_rows.kv_bytes_per_token(AutoConfig.from_pretrained(model_path), dtype))
+                  kv_bytes_per_token=hf_rows.kv_bytes_per_token(hf_config, dtype),
+                  weight_bytes_per_token=hf_rows.weight_bytes_per_token(hf_config, dtype))
     results = report.new_results(setup, sys.argv[1:] if argv is None else argv)
+    bandwidth = report.memory_bandwidth(device)
+    results["machine"]["memory_bandwidth_gb_s"] = bandwidth / 1e9
     print_preamble(setup, results)
 
     rows = []
@@ -154,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += hf_rows.run_transformers(setup)
     report.add_ratios_to_hf(rows, args.hf_batch_size)
     report.token_agreement(rows)
+    report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth)
     load = report.load_average()
     if load is not None:
         results["machine"]["load_average_at_end"] = load
@@ -161,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     report.print_table(rows)
+    report.print_bandwidth(rows, setup.weight_bytes_per_token, bandwidth)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -41,6 +41,21 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
+def weight_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """The weight bytes batch-1 decode reads per token: every matrix of every layer and the LM head.
+
+    The embedding table is read one row at a time; with tied embeddings the LM head
+    is that same table, read whole. Norm weights are too small to count.
+    """
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o, k and v
+    mlp = 3 * hidden * config.intermediate_size  # gate, up, down
+    params = config.num_hidden_layers * (attention + mlp) + config.vocab_size * hidden  # + the LM head
+    return params * torch.empty(0, dtype=dtype).element_size()
+
+
 def run_transformers(setup: Setup) -> list[dict]:
     """Load the model once and measure the selected transformers rows (decode and mixed workloads only)."""
     args = setup.args

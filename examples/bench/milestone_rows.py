@@ -1,6 +1,7 @@
 """Milestone rows: each milestone through its own API, imported by name, so a new milestone needs no change here.
 
 decode  ``LLM.generate`` on one prompt: one warm-up, then --runs timed runs, the median reported.
+batch   the same with B prompts at once, a row per size B of --batch-sizes.
 mixed,  the engine API itself: add every request, then ``step()`` until none is left. The clock runs
 shared  only while the engine works: it stops after each step while ``kv_usage()`` is read.
 """
@@ -69,13 +70,10 @@ def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
         return [error_row(w, row.name, "milestone", err) for w in args.workloads]
     rows = []
-    for workload in args.workloads:
+    for workload, run in workload_runs(row, mod, llm, new_llm, setup):
         print(f"- {row.name}: {workload} ...", flush=True)
         try:
-            if workload == "decode":
-                result = decode_row(row, mod, llm, setup)
-            else:
-                result = mixed_passes(row, mod, llm, new_llm, setup, workload)
+            result = run()
             result.update(extra)
         except Exception as err:
             result = error_row(workload, row.name, "milestone", err)
@@ -85,21 +83,45 @@ def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
     return rows
 
 
-def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup) -> dict:
+def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any],
+                  setup: Setup) -> list[tuple[str, Callable[[], dict]]]:
+    """Each row to measure, as (its workload label, a call that measures it); the batch workload is one per size."""
+    args, runs = setup.args, []
+    for workload in args.workloads:
+        if workload == "decode":
+            runs.append(("decode", functools.partial(decode_row, row, mod, llm, setup, [setup.workloads.decode_prompt],
+                                                     "decode")))
+        elif workload == "batch" and row.milestone == "m1":
+            print(f"- {row.name}: batch skipped (m1 serves one request at a time)", flush=True)
+        elif workload == "batch":
+            runs += [(f"batch-{size}", functools.partial(decode_row, row, mod, llm, setup,
+                                                         setup.workloads.batch_prompts[:size], f"batch-{size}"))
+                     for size in args.batch_sizes]
+        else:
+            runs.append((workload, functools.partial(mixed_passes, row, mod, llm, new_llm, setup, workload)))
+    return runs
+
+
+def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, prompts: list[list[int]],
+               workload: str) -> dict:
+    """Every prompt at once, --decode-tokens forced tokens each: one warm-up, then --runs timed runs."""
     args = setup.args
     params = mod.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
-    prompt = setup.workloads.decode_prompt
-    llm.generate([prompt], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
     runs = []
     for _ in range(args.runs):
         start = time.perf_counter()
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        metrics, n = out.metrics, len(out.outputs[0].token_ids)
-        runs.append({"wall_s": wall, "tokens_per_s": n / wall, "ttft_s": metrics.time_to_first_token,
-                     "itl_s": inter_token_latency(metrics.first_token_time, metrics.last_token_time, n)})
-    return new_row("decode", row.name, "milestone", num_requests=1, output_tokens=n, **median_of_runs(runs),
-                   runs=runs, _tokens=[list(out.outputs[0].token_ids)])
+        n = sum(len(out.outputs[0].token_ids) for out in outs)
+        runs.append({"wall_s": wall, "tokens_per_s": n / wall,
+                     "ttft_s": mean([out.metrics.time_to_first_token for out in outs]),
+                     "itl_s": mean([inter_token_latency(out.metrics.first_token_time, out.metrics.last_token_time,
+                                                        len(out.outputs[0].token_ids)) for out in outs])})
+    graphs = {"graph_stats": llm.engine.graph_stats()} if hasattr(llm.engine, "graph_stats") else {}
+    return new_row(workload, row.name, "milestone", num_requests=len(prompts), output_tokens=n,
+                   **median_of_runs(runs), runs=runs, batch_size=len(prompts), **graphs,
+                   _tokens=[list(out.outputs[0].token_ids) for out in outs])
 
 
 def mixed_passes(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any], setup: Setup,

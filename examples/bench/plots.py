@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .workloads import WORKLOADS
-
 
 def write_plot(results: dict, path: Path) -> None:
     import matplotlib
@@ -14,7 +12,7 @@ def write_plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results["results"] if r["status"] == "ok"]
-    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in ok)]
+    workloads = list(dict.fromkeys(r["workload"] for r in ok))  # in the order they ran: batch-B is one per size
     if not workloads:
         return
     config, machine = results["config"], results["machine"]
@@ -32,7 +30,8 @@ def write_plot(results: dict, path: Path) -> None:
         colors = ["tab:blue" if r["kind"] == "milestone" else "tab:gray" for r in rows]
         bars = ax.bar(names, values, color=colors)
         ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=2, fontsize=9)
-        ax.set_title(titles[workload])
+        ax.set_title(titles.get(workload) or f"decode: batch {rows[0]['batch_size']}, {config['decode_tokens']} "
+                     "tokens each")
         ax.set_ylabel("output tokens/s (higher is better)")
         ax.set_ylim(0, max(values) * 1.18)
         ax.tick_params(axis="x", labelrotation=15)

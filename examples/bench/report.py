@@ -38,6 +38,37 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+def memory_bandwidth(device: torch.device, num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes per second that summing a large tensor reads (the best of ``repeats``): the ceiling on weight streaming.
+
+    Batch-1 decode reads every weight once per token, so tokens/s times weight bytes
+    over this figure is how close a row comes to what the memory allows.
+    """
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass faults the pages in
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        data.sum().item()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
+def add_bandwidth_fractions(rows: list[dict], weight_bytes_per_token: int, bandwidth: float) -> None:
+    """Each decode row's weight bytes read per second over the measured bandwidth (batch 1 only: one token a step)."""
+    for row in rows:
+        if row["workload"] == "decode" and row["status"] == "ok":
+            row["bandwidth_fraction"] = row["output_tokens_per_s"] * weight_bytes_per_token / bandwidth
+
+
+def print_bandwidth(rows: list[dict], weight_bytes_per_token: int, bandwidth: float) -> None:
+    fractions = [f"{r['engine']} {r['bandwidth_fraction']:.0%}" for r in rows if "bandwidth_fraction" in r]
+    if fractions:
+        print(f"batch-1 decode reads {weight_bytes_per_token / 1e6:.0f} MB of weights per token; this machine sums "
+              f"memory at {bandwidth / 1e9:.1f} GB/s; share of that ceiling reached: {', '.join(fractions)}")
+
+
 def new_results(setup: Setup, command: list[str]) -> dict:
     """The JSON's header: when, how it was called, the machine and every setting; rows go under ``results``."""
     args: argparse.Namespace = setup.args
@@ -49,6 +80,7 @@ def new_results(setup: Setup, command: list[str]) -> dict:
                    "dtype": str(setup.dtype).replace("torch.", ""), "workloads": args.workloads,
                    "milestones": args.milestones, "hf_rows": args.hf_rows, "seed": args.seed,
                    "decode_tokens": args.decode_tokens, "decode_prompt_len": args.decode_prompt_len, "runs": args.runs,
+                   "batch_sizes": args.batch_sizes,
                    "num_requests": args.num_requests, "prompt_len_range": list(args.prompt_len_range),
                    "output_len_range": list(args.output_len_range), "m1_requests": args.m1_requests,
                    "hf_batch_size": args.hf_batch_size, "mixed_runs": args.mixed_runs,

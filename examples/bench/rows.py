@@ -22,6 +22,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-auto": ("linear_backend", "auto"),
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),
+    "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
 }
 
 
@@ -31,7 +32,7 @@ class MilestoneRow:
 
     name: str  # the label in the table and the JSON
     milestone: str  # the package under milestones/, e.g. "m2"
-    engine_options: dict[str, str]  # EngineConfig field -> value, from the options after '@'
+    engine_options: dict[str, str | bool]  # EngineConfig field -> value, from the options after '@'
 
     @classmethod
     def parse(cls, name: str, milestones: Sequence[str]) -> MilestoneRow:

@@ -5,6 +5,8 @@ mixed   --num-requests requests, prompt and output lengths uniform in their rang
         English text at varying offsets. All arrive at once.
 shared  as many requests behind one system prompt of --shared-prefix-len tokens, each with its own short
         question: what a prefix cache is for (milestone rows only).
+batch   decode at each of --batch-sizes: B requests at once, each its own --decode-prompt-len-token prompt and
+        --decode-tokens forced tokens, so every step after the prompts decodes B tokens (milestone rows only).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from _common import text_token_ids
 if TYPE_CHECKING:
     import torch
 
-WORKLOADS = ("decode", "mixed", "shared")
+WORKLOADS = ("decode", "mixed", "shared", "batch")
 
 
 @dataclass(slots=True)
@@ -33,11 +35,12 @@ class Request:
 
 @dataclass(slots=True)
 class Workloads:
-    """The requests of all three workloads, each drawn from its own seed."""
+    """The requests of every workload, each drawn from its own seed."""
 
     decode_prompt: list[int]
     mixed: list[Request]
     shared: list[Request]
+    batch_prompts: list[list[int]]  # as many prompts as the largest of --batch-sizes, all of one length
 
     def requests(self, workload: str) -> list[Request]:
         """The requests of the mixed or the shared workload."""
@@ -55,6 +58,7 @@ class Setup:
     workloads: Workloads
     max_model_len: int  # the smallest that fits the selected workloads, unless --max-model-len says otherwise
     kv_bytes_per_token: int  # for --tight-kv: the same KV bytes for every milestone
+    weight_bytes_per_token: int  # what batch-1 decode must read per token: every weight but the embedding table
 
 
 def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
@@ -64,6 +68,7 @@ def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
                                   args.seed),
         shared=make_shared_workload(tokenizer, args.num_requests, args.shared_prefix_len,
                                     args.shared_output_len_range, args.seed),
+        batch_prompts=make_batch_prompts(tokenizer, max(args.batch_sizes), args.decode_prompt_len, args.seed),
     )
 
 
@@ -93,10 +98,18 @@ def make_shared_workload(tokenizer, n: int, prefix_len: int, output_range: tuple
     return requests
 
 
+def make_batch_prompts(tokenizer, n: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """n prompts of prompt_len tokens: slices of real text at n distinct seeded offsets."""
+    offsets = random.Random(seed + 2).sample(range(4 * n), n)
+    text = text_token_ids(tokenizer, prompt_len + 4 * n)
+    return [text[start : start + prompt_len] for start in offsets]
+
+
 def fitting_max_model_len(args: argparse.Namespace, workloads: Workloads) -> int:
     """The longest prompt plus the longest output over the selected workloads."""
     needs = {
         "decode": args.decode_prompt_len + args.decode_tokens,
+        "batch": args.decode_prompt_len + args.decode_tokens,
         "mixed": args.prompt_len_range[1] + args.output_len_range[1],
         "shared": max(len(r.prompt_ids) for r in workloads.shared) + args.shared_output_len_range[1],
     }

@@ -9,7 +9,10 @@ tensor is opaque, usable only by oneDNN. vLLM's CPU backend packs its linear
 layers the same way. The arithmetic is the same, but oneDNN sums in its own order,
 so results differ from ``F.linear``'s in the last bits. What it buys is measured on
 the benchmarks page. The packed LM head is a second copy of the head (the embedding
-keeps the original); the decoder's packed weights replace the originals.
+keeps the original); the decoder's packed weights replace the originals. Inductor
+cannot lower oneDNN's op over an opaque weight, so inside ``torch.compile`` (m5's
+captured CPU step) a layer calls it through the custom op ``milestones::packed_linear``,
+which the compiled code then calls as it is.
 """
 
 from __future__ import annotations
@@ -18,6 +21,17 @@ import warnings
 
 import torch
 from torch import nn
+
+
+@torch.library.custom_op("milestones::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a packed weight, opaque to torch.compile (which would try to lower it and fail)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed_weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed_weight.shape[0]))  # the packed weight keeps its [out, in] shape
 
 
 # --8<-- [start:packed_linear]
@@ -31,6 +45,8 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # traced: the custom op; eager: the op itself, without its dispatch
+            return packed_linear(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

@@ -31,7 +31,7 @@ class AttentionContext:
     """What attention needs to know about this step, built by the model runner."""
 
     k_cache: torch.Tensor | list[torch.Tensor]  # [num_layers, kv_heads, blocks, block_size, dim], or a list by layer
-    v_cache: torch.Tensor
+    v_cache: torch.Tensor | list[torch.Tensor]
     slot_mapping: torch.Tensor  # [num_tokens]: block * block_size + offset of each new token
     block_tables: torch.Tensor  # the block tables of ``requests``, one after the other, gathered in one copy
     requests: list[RequestSpan]  # the requests that attention goes through one by one
@@ -55,7 +55,8 @@ class KernelBatch:
 
     kernel: DecodeKernel
     rows: torch.Tensor  # [d]: the row of each request's token in the flat batch
-    block_tables: torch.Tensor  # [d, max_blocks]: each request's block table, padded with block 0 (never read)
+    block_tables: torch.Tensor  # [d, max_blocks]: each request's block table, padded past its context (never read
+    #                             there: the compiled kernel stops at the context, paged_decode_attention masks)
     context_lens: torch.Tensor  # [d]
 # --8<-- [end:context]
 

@@ -65,9 +65,6 @@ class EngineConfig:
         check_attention_backend(self.attention_backend, device, dtype)  # another one
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.linear_backend == "onednn" and device.type == "cpu" and not self.enforce_eager:
-            raise ValueError("linear_backend='onednn' cannot be compiled into the captured decode step: use 'auto' "
-                             "(inductor packs the weights itself) or pass enforce_eager=True")
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             sizes = default_capture_sizes(device, self.max_num_seqs)
@@ -84,18 +81,21 @@ class EngineConfig:
                        cudagraph_capture_sizes=sorted(set(sizes)))
 
 
+# --8<-- [start:default_capture_sizes]
 def default_capture_sizes(device: torch.device, max_num_seqs: int) -> list[int]:
     """The decode batch sizes captured when none are given, capped at ``max_num_seqs`` (always the largest).
 
-    On CUDA, like vLLM and nano-vllm: 1, 2, 4, 8, then every 16. On a CPU each size is a
-    torch.compile that takes tens of seconds on a laptop's cores, so only the small batches
-    whose steps are dominated by per-operator overhead get one.
+    On CUDA, as nano-vllm does: 1, 2, 4, 8, then every 16. On a CPU each size is a torch.compile
+    of the whole model, which costs about a minute on two cores (seconds once inductor has cached
+    it), so only two: 1, the interactive case, and 4, which batches of 2 and 3 pad up to. A CPU
+    step streams every weight once whatever the batch, so a few padding rows cost little.
     """
     if device.type == "cuda":
         base, largest = [1, 2, 4, 8, *range(16, 513, 16)], max_num_seqs
     else:
-        base, largest = [1, 2, 4], min(max_num_seqs, 4)
+        base, largest = [1], min(max_num_seqs, 4)
     return sorted({size for size in base if size < largest} | {largest})
+# --8<-- [end:default_capture_sizes]
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -71,11 +71,13 @@ class GraphRunner:
         return (self.input_ids[:size], self.positions[:size], self.slot_mapping[:size], self.block_tables[:size],
                 self.context_lens[:size], self.rows[:size], self.k_layers, self.v_layers)
 
+    # --8<-- [start:forward]
     def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, rows, k_layers, v_layers):
         """The decode step as a function of tensors alone: every row is one request's one new token."""
         kernel_batch = KernelBatch(self.kernel, rows, block_tables, context_lens)
         ctx = AttentionContext(k_layers, v_layers, slot_mapping, block_tables[:0, 0], [], kernel_batch)
         return self.model(input_ids, positions, ctx)
+    # --8<-- [end:forward]
 
     # --8<-- [start:capture]
     def capture(self) -> None:

@@ -66,10 +66,7 @@ class ModelRunner:
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.sampler = Sampler(config.device)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
-        linear_backend = config.linear_backend
-        if self.device.type == "cpu" and not config.enforce_eager and linear_backend == "auto":
-            linear_backend = "torch"  # packed weights cannot be traced; inductor packs the compiled step's own
-        self.packed_lm_head = pack_linear_layers_for(linear_backend, self.model, config.device, config.dtype)
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
         # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from milestones import m1, m2, m3, m4
+from milestones import m1, m2, m3, m4, m5
 from tests.m1.test_vs_transformers import RecordingSampler, varied_prompts
 from tests.m2.test_vs_m1 import mixed_workload, run
 from tests.m4.test_vs_m3 import shared_prefix_workload
@@ -77,6 +77,31 @@ def test_the_chain_holds_on_cuda(tiny_model_factory, kind, dtype):
     assert run(m4, cached, shared_prompts, shared_settings) == shared_reference
     assert cached.engine.kv_usage()["prefix_hit_rate"] > 0.5
     cached.engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "smollm2-135m"])
+def test_m5_cuda_graphs_match_m4(tiny_model_factory, kind, dtype):
+    """m5's replayed CUDA graphs == m4, on batches that fit a bucket and batches that need padding."""
+    path = tiny_model_factory(kind)
+    limits = dict(device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    prompts, settings = mixed_workload(16, seed=3, max_prompt=90, max_output=40)
+    reference = run(m4, m4.LLM(path, **limits), prompts, settings)
+    captured = m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4])
+    assert run(m5, captured, prompts, settings) == reference
+    stats = captured.engine.graph_stats()
+    assert stats["replays"] > 0 and stats["padded_rows"] > 0, stats
+    print(f"\n{kind} {dtype}: {stats}")
+    captured.engine.check_integrity()
+    assert run(m5, m5.LLM(path, **limits, enforce_eager=True), prompts, settings) == reference
+
+
+def test_m5_default_capture_sizes_on_cuda(tiny_model_path):
+    llm = m5.LLM(tiny_model_path, device="cuda", max_model_len=128, max_num_seqs=40)
+    assert llm.engine.graph_stats()["captured_sizes"] == [1, 2, 4, 8, 16, 32, 40]
+    out = llm.generate(["Hello"] * 3, m5.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+    assert llm.engine.graph_stats()["padded_rows"] > 0
 
 
 def test_cuda_and_cpu_agree_in_float32(tiny_model_path):
