@@ -15,8 +15,8 @@ captured size that holds it. Steps with a prompt chunk in them, and batches larg
 the largest captured size, run eagerly, as in m4. With greedy sampling the text must
 not change.
 
-On a CPU each captured size is a compilation of tens of seconds the first time;
-torch.compile keeps what it built on disk, so the next start-up is much quicker.
+On a CPU each captured size is a compilation of about a minute on two cores the first
+time; torch.compile keeps what it built on disk, so the next start-up is quicker.
 """
 
 from __future__ import annotations

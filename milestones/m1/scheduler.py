@@ -57,7 +57,7 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def check_integrity(self) -> None:
-        """At most one request runs, and every request's state agrees with where it sits."""
+        """Every request's state agrees with where it sits (one running at most: ``running`` is a single slot)."""
         check_sequences(self.running_seqs(), list(self.waiting), self.config.max_model_len)
 
     def running_seqs(self) -> list[Sequence]:

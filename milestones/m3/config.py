@@ -48,7 +48,9 @@ class EngineConfig:
                 f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
                 f"request can decode each step, got {self.max_num_batched_tokens!r}"
             )
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes"):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes"):  # None: sized from the budget, or from max_num_seqs
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

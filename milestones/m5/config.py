@@ -52,7 +52,9 @@ class EngineConfig:
                 f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
                 f"request can decode each step, got {self.max_num_batched_tokens!r}"
             )
-        for name in ("block_size", "num_kv_blocks", "kv_cache_memory_bytes"):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        for name in ("num_kv_blocks", "kv_cache_memory_bytes"):  # None: sized from the budget, or from max_num_seqs
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -86,9 +88,10 @@ def default_capture_sizes(device: torch.device, max_num_seqs: int) -> list[int]:
     """The decode batch sizes captured when none are given, capped at ``max_num_seqs`` (always the largest).
 
     On CUDA, as nano-vllm does: 1, 2, 4, 8, then every 16. On a CPU each size is a torch.compile
-    of the whole model, which costs about a minute on two cores (seconds once inductor has cached
-    it), so only two: 1, the interactive case, and 4, which batches of 2 and 3 pad up to. A CPU
-    step streams every weight once whatever the batch, so a few padding rows cost little.
+    of the whole model, about a minute on two cores and still several seconds from inductor's
+    cache (dynamo traces the model again), so only two: 1, the interactive case, and 4, which
+    batches of 2 and 3 pad up to. A CPU step streams every weight once whatever the batch, so a
+    few padding rows cost little.
     """
     if device.type == "cuda":
         base, largest = [1, 2, 4, 8, *range(16, 513, 16)], max_num_seqs

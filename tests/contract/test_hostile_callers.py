@@ -241,7 +241,8 @@ def test_a_checkpoint_tensor_that_does_not_fit_is_named(mod, tiny_model_path, tm
 # 8. A block size the pool or the context cannot hold.
 @pytest.mark.parametrize(
     "options, message",
-    [({"block_size": 65536}, "block_size"), ({"block_size": 16, "kv_cache_memory_bytes": 1000}, "kv_cache_memory")],
+    [({"block_size": 65536}, "block_size"), ({"block_size": None}, "block_size"),
+     ({"block_size": 16, "kv_cache_memory_bytes": 1000}, "kv_cache_memory")],
 )
 def test_a_block_the_budget_cannot_hold_is_refused(mod, tiny_model_path, options, message):
     if "block_size" not in {f.name for f in dataclasses.fields(mod.EngineConfig)}:
