@@ -37,7 +37,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser, prompts: str = "eight built-in questions of different kinds") -> None:
-    """The flags shared by the m2, m3 and m4 demos."""
+    """The flags shared by the m2 to m5 demos."""
     p.add_argument("--model", default=None,
                    help="local folder in Hugging Face format or a hub id; default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",

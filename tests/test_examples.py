@@ -93,6 +93,7 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@needs_compiler  # m5 captures by compiling
 def test_benchmark_batch_workload_and_bandwidth(tiny_model_path, tmp_path):
     """Decode at each --batch-sizes (m1 skipped), m5 replays unless @eager, batch-1 decode gets its bandwidth share."""
     out = tmp_path / "bench.json"
@@ -111,13 +112,28 @@ def test_benchmark_batch_workload_and_bandwidth(tiny_model_path, tmp_path):
         assert rows[(f"batch-{size}", "m4")]["output_tokens"] == 6 * size
         for engine in ("m5", "m5@eager"):
             assert rows[(f"batch-{size}", engine)]["same_tokens_as_m4"] == f"{size}/{size} requests"
-    assert rows[("batch-3", "m5")]["graph_stats"]["replays"] > 0
+    assert rows[("batch-3", "m5")]["graph_stats"]["replays"] > 0  # counted over the row's own timed runs
+    assert rows[("batch-2", "m5")]["graph_stats"]["padded_rows"] > 0  # buckets 1 and 3: a batch of 2 is padded
     assert rows[("batch-3", "m5@eager")]["graph_stats"]["replays"] == 0
     assert data["machine"]["memory_bandwidth_gb_s"] > 0
+    weight_bytes, bandwidth = data["config"]["weight_bytes_per_token"], data["machine"]["memory_bandwidth_gb_s"] * 1e9
     for engine in ("m1", "m4", "m5"):
-        assert 0 < rows[("decode", engine)]["bandwidth_fraction"]
+        row = rows[("decode", engine)]
+        assert row["bandwidth_fraction"] == pytest.approx(row["output_tokens_per_s"] * weight_bytes / bandwidth)
     assert "bandwidth_fraction" not in rows[("batch-2", "m4")]
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm2-135m"])
+def test_weight_bytes_per_token_counts_every_matrix_a_token_reads(tiny_model_factory, kind):
+    """Every linear layer's weight, the LM head included (with tied embeddings: the embedding table, read whole)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tiny_model_factory(kind)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    expected = sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+                   if isinstance(m, torch.nn.Linear))
+    assert import_bench("hf_rows").weight_bytes_per_token(AutoConfig.from_pretrained(path), torch.float32) == expected
 
 
 def test_benchmark_mixed_runs_report_the_median_pass(tiny_model_path, tmp_path):

@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in POSITIVE_FLAGS:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if "batch" in args.workloads and max(args.batch_sizes) > (args.max_num_seqs or 16):
+        print(f"note: batch sizes above --max-num-seqs ({args.max_num_seqs or 'the default 16'}) run in waves, not "
+              "all at once; pass --max-num-seqs at least the largest batch size", flush=True)
     if args.docs:
         args.out, args.plot = DOCS_DIR / "benchmark.json", True
     return args

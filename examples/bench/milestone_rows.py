@@ -108,6 +108,7 @@ def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, prompts: l
     args = setup.args
     params = mod.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    graphs_before = graph_stats(llm)
     runs = []
     for _ in range(args.runs):
         start = time.perf_counter()
@@ -118,10 +119,20 @@ def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, prompts: l
                      "ttft_s": mean([out.metrics.time_to_first_token for out in outs]),
                      "itl_s": mean([inter_token_latency(out.metrics.first_token_time, out.metrics.last_token_time,
                                                         len(out.outputs[0].token_ids)) for out in outs])})
-    graphs = {"graph_stats": llm.engine.graph_stats()} if hasattr(llm.engine, "graph_stats") else {}
+    graphs = {"graph_stats": graph_stats(llm, since=graphs_before)} if graphs_before else {}
     return new_row(workload, row.name, "milestone", num_requests=len(prompts), output_tokens=n,
                    **median_of_runs(runs), runs=runs, batch_size=len(prompts), **graphs,
                    _tokens=[list(out.outputs[0].token_ids) for out in outs])
+
+
+def graph_stats(llm, since: dict | None = None) -> dict | None:
+    """m5 on: the engine's capture counters (None before m5), as counted since ``since`` if given."""
+    if not hasattr(llm.engine, "graph_stats"):
+        return None
+    stats = llm.engine.graph_stats()
+    for key in ("replays", "eager_steps", "padded_rows") if since else ():
+        stats[key] -= since[key]
+    return stats
 
 
 def mixed_passes(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any], setup: Setup,

@@ -80,7 +80,7 @@ def new_results(setup: Setup, command: list[str]) -> dict:
                    "dtype": str(setup.dtype).replace("torch.", ""), "workloads": args.workloads,
                    "milestones": args.milestones, "hf_rows": args.hf_rows, "seed": args.seed,
                    "decode_tokens": args.decode_tokens, "decode_prompt_len": args.decode_prompt_len, "runs": args.runs,
-                   "batch_sizes": args.batch_sizes,
+                   "batch_sizes": args.batch_sizes, "weight_bytes_per_token": setup.weight_bytes_per_token,
                    "num_requests": args.num_requests, "prompt_len_range": list(args.prompt_len_range),
                    "output_len_range": list(args.output_len_range), "m1_requests": args.m1_requests,
                    "hf_batch_size": args.hf_batch_size, "mixed_runs": args.mixed_runs,

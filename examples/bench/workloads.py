@@ -58,7 +58,7 @@ class Setup:
     workloads: Workloads
     max_model_len: int  # the smallest that fits the selected workloads, unless --max-model-len says otherwise
     kv_bytes_per_token: int  # for --tight-kv: the same KV bytes for every milestone
-    weight_bytes_per_token: int  # what batch-1 decode must read per token: every weight but the embedding table
+    weight_bytes_per_token: int  # what batch-1 decode must read per token (hf_rows.weight_bytes_per_token)
 
 
 def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
