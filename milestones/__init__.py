@@ -7,7 +7,7 @@ checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson
 Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all.
 """
 
-MILESTONES = ["m1", "m2", "m3", "m4", "m5"]
+MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
@@ -22,4 +22,7 @@ CHANGED_FILES: dict[str, set[str]] = {
            "outputs.py"},
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py"},
+    # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
+    "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "llm.py", "sampler.py",
+           "sequence.py", "worker.py", "trace.py"},
 }

@@ -1,0 +1,316 @@
+"""The engine loop: accept requests, run one scheduled step at a time, stream the results.
+
+``LLMEngine`` is the level beneath ``LLM``: ``add_request`` queues a prompt,
+``step`` runs one forward pass and returns the requests it advanced, and
+``abort_request`` drops a request wherever it is. Bad input is refused in
+``add_request`` with a ``ValueError`` before anything is queued, so it can never
+disturb the requests already running. Calls from several threads take turns on
+the engine's lock (``LLM.generate`` holds it for its whole run).
+
+m6: with ``async_scheduling`` a step is launched on the forward worker and processed
+one ``step()`` later, after the next one has been scheduled and launched: the host's
+work happens while the device computes. A request that finishes in step N is already
+in step N+1; that extra token is dropped.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import random
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+from milestones.model_store import resolve_model
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model import ModelConfig
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Sequence, SequenceStatus
+from .trace import Tracer
+from .worker import ForwardWorker
+
+Prompt = str | list[int]
+
+
+# --8<-- [start:serialized]
+def serialized(method):
+    """Run an engine method under the engine's lock, so calls from several threads never interleave."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+# --8<-- [end:serialized]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+        self.config = config.resolve(self.model_config.max_position_embeddings)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos_token_ids = _eos_token_ids(path)
+        self.runner = ModelRunner(self.config, self.model_config, path)
+        self.scheduler = Scheduler(self.config)
+        self._seeds = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self.num_steps = 0  # steps processed
+        self.num_launched = 0  # steps handed to the forward worker
+        self.in_flight: deque[LaunchedStep] = deque()  # launched, not yet processed: at most two
+        self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
+        self.tracer = Tracer(self.config.trace_file is not None)
+        self.worker = ForwardWorker(self.runner.run, self.config.device, self.config.async_scheduling, self.tracer)
+        self._stop_worker = weakref.finalize(self, self.worker.close)  # no thread outlives a forgotten engine
+
+    # --8<-- [start:add_request]
+    @serialized
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue one request; return its id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self._tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+                             "shorten the prompt (it must leave room for one generated token)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit}): "
+                f"lower max_tokens to at most {limit - len(token_ids)}, "
+                "or pass max_tokens=None to stop at the context limit"
+            )
+        request_id = self._new_request_id() if request_id is None else str(request_id)
+        if self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        seq = Sequence(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+        )
+        self.scheduler.add(seq)
+        return request_id
+    # --8<-- [end:add_request]
+
+    def _new_request_id(self) -> str:
+        """The next automatic id that no unfinished request uses (a caller may have picked "7" already)."""
+        request_id = str(next(self._ids))
+        while self.scheduler.find(request_id) is not None:
+            request_id = str(next(self._ids))
+        return request_id
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"the prompt is not valid text: {err.reason} at character {err.start} "
+                                 f"({prompt[err.start:err.end]!r}); remove or replace it") from None
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        else:
+            token_ids = as_token_ids(prompt)
+            if token_ids is None:
+                raise ValueError(f"a prompt must be a string or a list of token ids (integers), got {prompt!r:.80}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one character or token id")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be in [0, {vocab}) for this model; got {bad[:5]}")
+        return token_ids
+
+    # --8<-- [start:step]
+    @serialized
+    def step(self) -> list[RequestOutput]:
+        """Launch the next step, then process the oldest one in flight: with async scheduling, the one before."""
+        start = self.tracer.now()
+        batch = self.scheduler.schedule()  # with overlap: while the step launched last is still computing
+        if batch is not None:
+            self.tracer.record("schedule", start, self.num_launched + 1, len(batch.seqs))
+            self._launch(batch)
+        if not self.in_flight or (self.config.async_scheduling and batch is not None and len(self.in_flight) < 2):
+            return []  # the step just launched computes while the caller gets on; its tokens come next time
+        return self._process(self.in_flight.popleft())
+    # --8<-- [end:step]
+
+    # --8<-- [start:launch]
+    def _launch(self, batch: ScheduledBatch) -> None:
+        """Hand the step to the worker, and book now what it will do: its tokens computed, a future id per sample."""
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        inputs = self.runner.prepare(batch)
+        self.num_launched += 1
+        launched = LaunchedStep(self.num_launched, batch.seqs, [seq.num_computed_tokens for seq in batch.seqs],
+                                inputs.sample_seqs, [seq.num_tokens for seq in inputs.sample_seqs])
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new  # steps run in launch order: whatever is launched next sees them
+        for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
+            seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
+        self.worker.submit(launched.number, inputs)
+        self.in_flight.append(launched)
+    # --8<-- [end:launch]
+
+    # --8<-- [start:process]
+    def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Put a computed step's tokens in place, apply the stop rules, finish requests; their outputs."""
+        try:
+            tokens = self.worker.result()
+        except BaseException:
+            self._roll_back(launched)
+            raise
+        start = self.tracer.now()
+        self.num_steps += 1
+        outputs = []
+        for seq, index, token in zip(launched.sample_seqs, launched.token_indices, tokens):
+            if seq.is_finished:  # it finished (or was aborted) while this step computed: the token is dropped
+                continue
+            self._accept_token(seq, index, token)
+            if seq.is_finished:
+                self._drop_future_tokens(seq)  # the step in flight computes one token too many for it
+                self.scheduler.finish(seq)
+            outputs.append(RequestOutput.from_sequence(seq))
+        self.tracer.record("process", start, launched.number, len(launched.seqs))
+        return outputs
+    # --8<-- [end:process]
+
+    # --8<-- [start:stop_rules]
+    def _accept_token(self, seq: Sequence, index: int, token: int) -> None:
+        """Put a sampled token where its future id was and apply the stop rules, in vLLM's order."""
+        now = time.perf_counter()
+        seq.token_ids[index] = token
+        num_tokens = index + 1  # the tokens known so far: any after it belong to a step still in flight
+        seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        seq.metrics.last_token_time = now
+        seq.metrics.num_output_tokens = num_tokens - seq.num_prompt_tokens
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            seq.finish("stop")  # the stop token stays in token_ids but adds no text
+        elif seq.detokenizer.add_token(token) is not None:
+            seq.finish("stop")
+        elif params.max_tokens is not None and seq.metrics.num_output_tokens >= params.max_tokens:
+            seq.finish("length")
+        elif num_tokens >= self.config.max_model_len:
+            seq.finish("length")
+    # --8<-- [end:stop_rules]
+
+    @staticmethod
+    def _drop_future_tokens(seq: Sequence) -> None:
+        """Forget the tokens of steps still in flight, and the KV they compute, as if they were never launched."""
+        del seq.token_ids[seq.num_tokens - seq.num_future_tokens :]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+
+    def _roll_back(self, failed: LaunchedStep) -> None:
+        """A step raised: wait out the steps launched after it, then undo what launching them all booked."""
+        steps = [failed, *self.in_flight]
+        self.in_flight.clear()
+        for _ in steps[1:]:
+            try:
+                self.worker.result()  # built on the failed step's tokens: worthless, whatever it returns
+            except Exception:
+                pass
+        for launched in reversed(steps):
+            for seq, computed in zip(launched.seqs, launched.num_computed_before):
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed_tokens = computed
+            for seq, index in zip(launched.sample_seqs, launched.token_indices):
+                del seq.token_ids[index:]
+
+    @serialized
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a waiting or running request now; its partial output is returned."""
+        seq = self.scheduler.find(str(request_id))
+        if seq is None:
+            return None
+        seq.finish("abort")
+        self._drop_future_tokens(seq)
+        self.scheduler.finish(seq)
+        return RequestOutput.from_sequence(seq)
+
+    @serialized
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @serialized
+    def close(self) -> None:
+        """Process the steps still in flight, stop the forward worker, write the trace if one was asked for."""
+        while self.in_flight:
+            self._process(self.in_flight.popleft())
+        self._stop_worker()
+        if self.config.trace_file is not None:
+            self.tracer.write(self.config.trace_file)
+
+    @serialized
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any request's state, or the KV bookkeeping, is inconsistent."""
+        self.scheduler.check_integrity()
+
+    @serialized
+    def graph_stats(self) -> dict[str, object]:
+        """Captured batch sizes, decode steps replayed, padding rows run, eager steps, seconds spent capturing."""
+        return self.runner.graph_stats()
+
+    @serialized
+    def kv_usage(self) -> dict[str, int | float]:
+        """KV pool bytes reserved vs filled, blocks in use / cached / free, preemptions, prefix-cache hit rate."""
+        scheduler = self.scheduler
+        computed = sum(seq.num_computed_tokens for seq in scheduler.running_seqs())
+        in_use = {b for table in scheduler.block_manager.block_tables.values() for b in table}
+        cached = set(scheduler.tree.cached_blocks()) - in_use if scheduler.tree is not None else set()
+        return {
+            "reserved_bytes": self.runner.kv_cache_bytes,
+            "used_bytes": computed * self.runner.kv_bytes_per_token,
+            "blocks_in_use": len(in_use),
+            "blocks_cached": len(cached),
+            "blocks_free": scheduler.block_manager.num_free_blocks,
+            "num_preemptions": scheduler.num_preemptions,
+            "prefix_hit_rate": scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens),
+        }
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step on the forward worker, not yet processed: what the host must do when its tokens arrive."""
+
+    number: int
+    seqs: list[Sequence]
+    num_computed_before: list[int]  # each sequence's computed tokens before the step: what a failure restores
+    sample_seqs: list[Sequence]  # the sequences that sample, in the order of the step's tokens
+    token_indices: list[int]  # where each sampled token goes in its sequence's token_ids (its future id until then)
+
+
+def as_token_ids(prompt: object) -> list[int] | None:
+    """A list of Python ints from a list, tuple or 1-D array of integers (NumPy's included); None if it is not one."""
+    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or any(
+        isinstance(t, bool) or not hasattr(t, "__index__") or getattr(t, "ndim", 0) != 0 for t in prompt
+    ):
+        return None
+    return [operator.index(t) for t in prompt]
+
+
+def _eos_token_ids(path) -> set[int]:
+    """Every end-of-sequence id the model declares (generation config first, as transformers does)."""
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = AutoConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

@@ -1,0 +1,130 @@
+"""Run the steps on the device while the host gets on with the next one: m6's lesson.
+
+The host launches step N+1 before it has seen step N's tokens, so step N+1's inputs
+cannot hold them: each token a step samples is given a *future id* (a negative number)
+when the step is launched. The host writes that id where the token will go, and the
+``FutureMap`` resolves it on the device, where the token already is, just before the
+step that reads it runs (SGLang's future map; the seeds' diagram, with our names).
+
+The ``ForwardWorker`` computes the launched steps one after the other, in order: on a
+CPU in a thread of its own (torch releases the GIL inside its kernels, so the host's
+Python runs meanwhile); on CUDA that thread also works on a stream of its own and
+copies each step's tokens to pinned host memory without waiting for them. Because
+steps run in launch order, a step launched later always sees what an earlier one
+wrote: KV blocks freed by the host while a step still writes them can be handed out
+at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .trace import Tracer
+
+
+# --8<-- [start:future_map]
+class FutureMap:
+    """The tokens sampled on the device, found by the future ids that stand for them on the host."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        # A step's futures are read only by the step launched right after it, and at most max_num_seqs
+        # rows sample per step, so a ring of two steps' worth is never overwritten before it is read.
+        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
+        self.next = 0
+
+    def allocate(self, count: int) -> list[int]:
+        """Future ids for ``count`` tokens about to be sampled (host side): -1, -2, ... wrapping around the ring."""
+        size = self.tokens.shape[0]
+        ids = [-1 - (self.next + i) % size for i in range(count)]
+        self.next = (self.next + count) % size
+        return ids
+
+    def resolve_(self, input_ids: torch.Tensor) -> None:
+        """Replace, in place and on the device, every future id in ``input_ids`` by the token it stands for."""
+        found = self.tokens[(-1 - input_ids).clamp(min=0)]
+        input_ids.copy_(torch.where(input_ids < 0, found, input_ids))
+
+    def store(self, future_ids: list[int], tokens: torch.Tensor) -> None:
+        """Keep a step's sampled tokens where the next step will look for them."""
+        if future_ids:
+            index = torch.tensor([-1 - future for future in future_ids], device=self.tokens.device)
+            self.tokens[index] = tokens
+# --8<-- [end:future_map]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
+
+    tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
+    error: BaseException | None = None
+
+
+# --8<-- [start:worker]
+class ForwardWorker:
+    """Computes launched steps in launch order: in a thread of its own, or inline (m5's loop)."""
+
+    def __init__(self, run: Callable, device: torch.device, threaded: bool, tracer: Tracer) -> None:
+        self.run, self.device, self.tracer = run, device, tracer
+        self.results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and threaded else None
+        self.thread = None
+        if threaded:
+            # A new thread starts with torch's default thread count, not the caller's: pass it on.
+            self.thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), name="forward-worker",
+                                           daemon=True)
+            self.thread.start()
+
+    def submit(self, step_number: int, inputs) -> None:
+        """Hand a prepared step over; inline, it is computed before this returns."""
+        if self.thread is None:
+            self.results.put(self._compute(step_number, inputs))
+        else:
+            self.inbox.put((step_number, inputs))
+
+    def result(self) -> list[int]:
+        """The sampled tokens of the oldest step not yet collected (waits for them); its exception, re-raised."""
+        result = self.results.get()
+        if result.error is not None:
+            raise result.error  # with the worker's traceback
+        if result.ready is not None:
+            result.ready.synchronize()
+        return result.tokens.tolist()
+
+    def _loop(self, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+        while (item := self.inbox.get()) is not None:
+            self.results.put(self._compute(*item))
+
+    def _compute(self, step_number: int, inputs) -> StepResult:
+        start = self.tracer.now()
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                tokens = self.run(inputs)
+                result = StepResult(tokens)
+                if self.stream is not None:  # copy without waiting; the host waits on the event when it needs them
+                    result.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+                    result.tokens.copy_(tokens, non_blocking=True)
+                    result.ready = torch.cuda.Event()
+                    result.ready.record(self.stream)
+        except Exception as error:  # handed to the host, which re-raises it; the worker lives on
+            result = StepResult(error=error)
+        self.tracer.record("forward", start, step_number, inputs.num_seqs)
+        return result
+
+    def close(self) -> None:
+        """Stop the thread once it has finished what it was given."""
+        if self.thread is not None and self.thread.is_alive():
+            self.inbox.put(None)
+            self.thread.join()
+# --8<-- [end:worker]
