@@ -1,0 +1,270 @@
+"""m6 against m5 token for token, with async scheduling on and off, plus the traps of the one-step lag.
+
+m6 launches step N+1 before it has processed step N, so a request that finishes at step N
+is already in step N+1: these tests check that its extra token never shows, that its blocks
+and locks are given back exactly once, and that failures and aborts in flight leave the
+engine consistent.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+
+import pytest
+
+from milestones import m5, m6
+from milestones.m6.trace import hidden_host_share
+from tests.conftest import needs_compiler
+from tests.m2.test_vs_m1 import mixed_workload, run
+from tests.m4.test_vs_m3 import shared_prefix_workload
+
+LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+EAGER = dict(LIMITS, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    return mixed_workload(16, seed=3, max_prompt=90, max_output=40)
+
+
+@pytest.fixture(scope="module")
+def mixed_reference(tiny_model_path, mixed):
+    return run(m5, m5.LLM(tiny_model_path, **EAGER), *mixed)
+
+
+def stepped(llm, prompts, settings):
+    """Run the requests by hand, checking every invariant of the engine after every step."""
+    engine = llm.engine
+    ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+    finished = {}
+    while engine.has_unfinished_requests() or engine.in_flight:
+        for out in engine.step():
+            assert all(t >= 0 for t in out.outputs[0].token_ids), "a future id reached the caller"
+            if out.finished:
+                assert out.request_id not in finished, f"request {out.request_id} finished twice"
+                finished[out.request_id] = out
+        engine.check_integrity()
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+            for o in (finished[i] for i in ids)]
+
+
+def assert_all_blocks_returned(llm):
+    usage = llm.engine.kv_usage()
+    assert usage["blocks_in_use"] == 0
+    assert usage["blocks_free"] + usage["blocks_cached"] == llm.engine.scheduler.block_manager.num_blocks
+    tree = llm.engine.scheduler.tree
+    assert tree is None or tree.root.lock_ref == 1, "a radix lock was never released"
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_m6_matches_m5_on_a_mixed_workload(tiny_model_path, mixed, mixed_reference, async_scheduling):
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
+        assert stepped(llm, *mixed) == mixed_reference
+        assert_all_blocks_returned(llm)
+        assert run(m6, llm, *mixed) == mixed_reference  # and through generate, on a warm engine
+
+
+@needs_compiler
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_m6_matches_m5_with_the_decode_step_captured(tiny_model_path, mixed, mixed_reference, async_scheduling):
+    sizes = [1, 4]  # batches of 2 and 3 are padded to 4, batches of 5 run eagerly
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, cudagraph_capture_sizes=sizes, **LIMITS) as llm:
+        assert stepped(llm, *mixed) == mixed_reference
+        stats = llm.engine.graph_stats()
+        assert stats["replays"] > 0 and stats["padded_rows"] > 0 and stats["eager_steps"] > 0, stats
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_m6_matches_m5_with_preemption_and_prefix_hits(tiny_model_path, async_scheduling):
+    prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=5)
+    settings = [dict(s, max_tokens=30) for s in settings]
+    tight = dict(EAGER, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
+    reference = run(m5, m5.LLM(tiny_model_path, **tight), prompts, settings)
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **tight) as llm:
+        assert stepped(llm, prompts, settings) == reference
+        usage = llm.engine.kv_usage()
+        assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
+        assert_all_blocks_returned(llm)
+
+
+def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
+    """Requests end one step apart (by length, by EOS-like stop tokens, by stop strings): each drops its lag token."""
+    prompts = [f"Request number {i} tells a story about" for i in range(8)]
+    greedy = [dict(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(8)]
+    small_blocks = dict(EAGER, block_size=4)  # so that many lag tokens would complete a block
+    reference = run(m5, m5.LLM(tiny_model_path, **small_blocks), prompts, greedy)
+    # Stop on a token, and on a string, taken from the middle of what each request generates.
+    settings = []
+    for i, (tokens, _, text) in enumerate(reference):
+        if i % 3 == 1:
+            settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
+        elif i % 3 == 2 and len(text) > 4:
+            settings.append(dict(greedy[i], stop=[text[len(text) // 2 : len(text) // 2 + 2]]))
+        else:
+            settings.append(greedy[i])
+    reference_llm = m5.LLM(tiny_model_path, **small_blocks)  # a fresh cache, to compare with m6's at the end
+    reference = run(m5, reference_llm, prompts, settings)
+    assert {reason for _, reason, _ in reference} == {"stop", "length"}
+    with m6.LLM(tiny_model_path, **small_blocks) as llm:
+        ours = stepped(llm, prompts, settings)
+        assert ours == reference
+        # A finished request caches what m5 would: not the token its lag step was computing.
+        assert llm.engine.kv_usage()["blocks_cached"] == reference_llm.engine.kv_usage()["blocks_cached"]
+        for (tokens, _, _), s in zip(ours, settings):
+            assert len(tokens) <= s["max_tokens"]
+            stops = set(s.get("stop_token_ids", []))
+            assert not stops & set(tokens[:-1]), "a token came after a stop token"
+        assert_all_blocks_returned(llm)
+
+
+def test_a_step_is_in_flight_between_calls(tiny_model_path):
+    with m6.LLM(tiny_model_path, **EAGER) as llm:
+        engine = llm.engine
+        engine.add_request("Hello there", m6.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        assert engine.step() == []  # the prefill computes while the caller gets on
+        assert len(engine.in_flight) == 1
+        outputs = engine.step()  # the first decode launched, the prefill's token processed
+        assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 1
+        engine.check_integrity()
+
+
+def test_abort_while_a_step_is_in_flight(tiny_model_path, mixed, mixed_reference):
+    prompts, settings = mixed
+    with m6.LLM(tiny_model_path, **EAGER) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        victim = None
+        finished = {}
+        while engine.has_unfinished_requests() or engine.in_flight:
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            running = [s for s in engine.scheduler.running if s.num_future_tokens and s.request_id not in finished]
+            if victim is None and engine.in_flight and running:
+                victim = running[0].request_id
+                aborted = engine.abort_request(victim)
+                assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+                assert all(t >= 0 for t in aborted.outputs[0].token_ids)
+            engine.check_integrity()
+        assert victim is not None and victim not in finished
+        for request_id, expected in zip(ids, mixed_reference):
+            if request_id != victim:
+                out = finished[request_id].outputs[0]
+                assert (out.token_ids, out.finish_reason, out.text) == expected
+        assert_all_blocks_returned(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_exception_in_the_forward_reaches_the_caller_and_the_engine_stays_usable(
+    tiny_model_path, mixed, mixed_reference, async_scheduling
+):
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
+        calls, real_run = [], llm.engine.runner.run
+
+        def failing_run(inputs):
+            calls.append(1)
+            if len(calls) == 6:
+                raise RuntimeError("injected failure in the forward")
+            return real_run(inputs)
+
+        llm.engine.worker.run = failing_run  # what the worker calls to compute a step
+        with pytest.raises(RuntimeError, match="injected failure") as caught:
+            llm.generate(*mixed_as_params(mixed), use_tqdm=False)
+        frames = [entry.name for entry in caught.traceback]
+        assert "failing_run" in frames, "the worker's traceback was lost"
+        llm.engine.check_integrity()
+        assert not llm.engine.has_unfinished_requests() and not llm.engine.in_flight
+        assert_all_blocks_returned(llm)
+        assert run(m6, llm, *mixed) == mixed_reference
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path, mixed, mixed_reference,
+                                                                  async_scheduling):
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
+        engine, calls = llm.engine, []
+        real_run = engine.runner.run
+
+        def fails_once(inputs):
+            calls.append(1)
+            if len(calls) == 9:
+                raise RuntimeError("injected failure in the forward")
+            return real_run(inputs)
+
+        engine.worker.run = fails_once
+        prompts, settings = mixed
+        ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        finished, failures = {}, 0
+        while engine.has_unfinished_requests() or engine.in_flight:
+            try:
+                outputs = engine.step()
+            except RuntimeError:
+                failures += 1
+                outputs = []
+            finished.update((out.request_id, out) for out in outputs if out.finished)
+            engine.check_integrity()
+        assert failures == 1
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+                for o in (finished[i] for i in ids)] == mixed_reference
+
+
+def mixed_as_params(mixed):
+    prompts, settings = mixed
+    return prompts, [m6.SamplingParams(**s) for s in settings]
+
+
+def test_no_thread_is_left_behind(tiny_model_path):
+    before = set(threading.enumerate())
+    llm = m6.LLM(tiny_model_path, **EAGER)
+    worker_thread = llm.engine.worker.thread
+    assert worker_thread.is_alive()
+    llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)
+    llm.close()
+    assert not worker_thread.is_alive()
+    llm.close()  # twice is harmless
+    with m6.LLM(tiny_model_path, **EAGER) as llm:
+        second = llm.engine.worker.thread
+    assert not second.is_alive()
+    forgotten = m6.LLM(tiny_model_path, **EAGER).engine.worker.thread
+    gc.collect()
+    forgotten.join(timeout=10)
+    assert not forgotten.is_alive(), "an engine nobody holds kept its thread"
+    assert set(threading.enumerate()) <= before
+    sync = m6.LLM(tiny_model_path, async_scheduling=False, **EAGER)
+    assert sync.engine.worker.thread is None  # m5's loop: the caller's thread computes
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_trace_has_one_event_of_each_kind_per_step(tiny_model_path, tmp_path, async_scheduling):
+    path = tmp_path / "trace.json"
+    prompts, settings = mixed_workload(6, seed=2, max_prompt=30, max_output=12)
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, trace_file=str(path), **EAGER) as llm:
+        run(m6, llm, prompts, settings)
+    num_steps = llm.engine.num_steps  # closing processed the step still in flight
+    events = json.loads(path.read_text())["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    for name in ("schedule", "forward", "process"):
+        mine = [e for e in complete if e["name"] == name]
+        assert sorted(e["args"]["step"] for e in mine) == list(range(1, num_steps + 1)), name
+        assert len({e["tid"] for e in mine}) == 1 and all(e["args"]["batch_size"] >= 1 for e in mine)
+        assert all(e["dur"] >= 0 for e in mine)
+    assert len({e["tid"] for e in complete}) == 3
+    share = hidden_host_share(complete)
+    assert 0.0 <= share <= 1.0
+    if not async_scheduling:
+        assert share == 0.0, "without overlap no host work can lie inside a forward"
+
+
+def test_hidden_host_share_measures_overlap():
+    def event(name, start, end):
+        return {"name": name, "ph": "X", "ts": start, "dur": end - start}
+    events = [event("forward", 0, 10), event("schedule", 2, 4), event("process", 8, 12), event("forward", 20, 30)]
+    assert hidden_host_share(events) == pytest.approx((2 + 2) / (2 + 4))
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_async_scheduling_is_checked(tiny_model_path, value):
+    with pytest.raises(ValueError, match="async_scheduling"):
+        m6.LLM(tiny_model_path, async_scheduling=value, **EAGER)
