@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 test-m5 docs docs-serve bench gpu-check lint clean
+.PHONY: setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 docs docs-serve bench gpu-check lint clean
 
 setup: $(STAMP)
 

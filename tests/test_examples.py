@@ -322,11 +322,45 @@ def test_m5_inference_compare(tiny_model_path):
     assert "outputs: identical, token for token, for all 8 requests" in out
 
 
+def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
+    # Eager steps: no compiling, so the test needs no C++ compiler and takes seconds.
+    trace = tmp_path / "trace.json"
+    out = run_script("examples/m6_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "6", "--compare",
+                                                             "--enforce-eager", "--trace", str(trace))).stdout
+    assert "=== overlap (async_scheduling=True) ===" in out and "=== sync (async_scheduling=False) ===" in out
+    assert out.count("completion:") == 8  # the second run's texts are compared, not printed
+    assert "outputs: identical, token for token, for all 8 requests" in out
+    printed = [int(x) for x in re.findall(r"^  hidden host share:\s+(\d+)% ", out, re.M)]
+    assert len(printed) == 2, out
+    from milestones.m6.trace import hidden_host_share
+
+    shares = {}
+    for label in ("overlap", "sync"):
+        path = tmp_path / f"trace-{label}.json"  # with --compare, one file per run, labelled
+        assert f"trace:             {path}" in out
+        events = json.loads(path.read_text())["traceEvents"]
+        complete = [e for e in events if e["ph"] == "X"]
+        assert {e["name"] for e in complete} == {"schedule", "forward", "process"}
+        for e in complete:
+            assert set(e["args"]) == {"step", "batch_size"} and 1 <= e["args"]["batch_size"] <= 8, e
+            assert e["dur"] >= 0 and e["ts"] >= 0
+        steps = {name: [e["args"]["step"] for e in complete if e["name"] == name]
+                 for name in ("schedule", "forward", "process")}
+        assert sorted(steps["forward"]) == list(range(1, len(steps["forward"]) + 1))  # every launched step ran once
+        assert sorted(steps["process"]) == sorted(steps["forward"]) == sorted(steps["schedule"])  # and was processed
+        shares[label] = hidden_host_share(events)
+    assert printed == [round(100 * shares["overlap"]), round(100 * shares["sync"])]  # the script reads its trace
+    assert shares["sync"] == 0  # without overlap the host waits for every forward: nothing can be hidden
+    assert shares["overlap"] > 0  # process N always follows the launch of N+1 (a structural overlap, not a speed)
+    assert not trace.exists()  # with --compare the name is only the stem
+
+
 @pytest.mark.parametrize("script, flags", [
     ("m2_inference.py", ("--num-prompts", "--max-tokens", "--max-num-seqs", "--max-num-batched-tokens", "--threads")),
     ("m3_inference.py", ("--block-size", "--num-kv-blocks", "--kv-cache-memory-mb", "--max-num-seqs")),
     ("m4_inference.py", ("--compare", "--no-prefix-caching", "--scheduling-policy", "--system", "--block-size")),
     ("m5_inference.py", ("--compare", "--enforce-eager", "--cudagraph-capture-sizes", "--max-num-seqs")),
+    ("m6_inference.py", ("--compare", "--no-async", "--trace", "--enforce-eager", "--cudagraph-capture-sizes")),
 ])
 def test_batched_demos_help(script, flags):
     proc = run_script(f"examples/{script}", "--help")

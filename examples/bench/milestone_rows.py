@@ -179,14 +179,26 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
            for r in requests]
+    tracer = getattr(engine, "tracer", None)  # m6: the share of host work hidden inside forwards, from its trace
+    if tracer is not None:
+        tracer.enabled, tracer.events = True, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
+        if getattr(engine, "in_flight", None):  # m6: a step computes meanwhile, so the clock runs on
+            peaks.sample(engine)
+            continue
         wall += time.perf_counter() - start
         peaks.sample(engine)  # with the clock stopped: reading the KV usage is the benchmark's work, not the engine's
         start = time.perf_counter()
     wall += time.perf_counter() - start
+    if tracer is not None:
+        from milestones.m6.trace import hidden_host_share
+        overlap = {"hidden_host_share": hidden_host_share(tracer.events)}
+        tracer.enabled = engine.config.trace_file is not None
+    else:
+        overlap = {}
     outs = [finished[i] for i in ids]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
@@ -199,5 +211,5 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
                    prefix_hit_rate=peaks.last.get("prefix_hit_rate"), output_tokens_per_s=n_out / wall,
                    ttft_mean_s=mean([o.metrics.time_to_first_token for o in outs]), itl_mean_s=mean(itls),
                    kv_peak_mb=peaks.used_bytes / MB, kv_reserved_mb=peaks.reserved_bytes / MB,
-                   steps=engine.num_steps - steps_before, note=note,
+                   steps=engine.num_steps - steps_before, note=note, **overlap,
                    _tokens=[list(o.outputs[0].token_ids) for o in outs])

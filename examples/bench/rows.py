@@ -23,6 +23,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
+    "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap
 }
 
 

@@ -22,7 +22,8 @@ from _common import text_token_ids
 if TYPE_CHECKING:
     import torch
 
-WORKLOADS = ("decode", "mixed", "shared", "batch")
+SMALL_REQUESTS = 64  # the small workload: this many requests of 4-16 prompt and 4-16 output tokens
+WORKLOADS = ("decode", "mixed", "shared", "batch", "small")
 
 
 @dataclass(slots=True)
@@ -40,11 +41,12 @@ class Workloads:
     decode_prompt: list[int]
     mixed: list[Request]
     shared: list[Request]
+    small: list[Request]  # many short requests: the steps are short, so host time matters most
     batch_prompts: list[list[int]]  # as many prompts as the largest of --batch-sizes, all of one length
 
     def requests(self, workload: str) -> list[Request]:
-        """The requests of the mixed or the shared workload."""
-        return self.shared if workload == "shared" else self.mixed
+        """The requests of the mixed, the shared or the small workload."""
+        return {"shared": self.shared, "small": self.small}.get(workload, self.mixed)
 
 
 @dataclass(slots=True)
@@ -68,6 +70,7 @@ def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
                                   args.seed),
         shared=make_shared_workload(tokenizer, args.num_requests, args.shared_prefix_len,
                                     args.shared_output_len_range, args.seed),
+        small=make_mixed_workload(tokenizer, SMALL_REQUESTS, (4, 16), (4, 16), args.seed + 3),
         batch_prompts=make_batch_prompts(tokenizer, max(args.batch_sizes), args.decode_prompt_len, args.seed),
     )
 
@@ -111,6 +114,7 @@ def fitting_max_model_len(args: argparse.Namespace, workloads: Workloads) -> int
         "decode": args.decode_prompt_len + args.decode_tokens,
         "batch": args.decode_prompt_len + args.decode_tokens,
         "mixed": args.prompt_len_range[1] + args.output_len_range[1],
+        "small": 16 + 16,
         "shared": max(len(r.prompt_ids) for r in workloads.shared) + args.shared_output_len_range[1],
     }
     return max(needs[workload] for workload in args.workloads)

@@ -70,7 +70,7 @@ class LLMEngine:
         self.in_flight: deque[LaunchedStep] = deque()  # launched, not yet processed: at most two
         self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
         self.tracer = Tracer(self.config.trace_file is not None)
-        self.worker = ForwardWorker(self.runner.run, self.config.device, self.config.async_scheduling, self.tracer)
+        self.worker = ForwardWorker(self.runner, self.config.device, self.config.async_scheduling, self.tracer)
         self._stop_worker = weakref.finalize(self, self.worker.close)  # no thread outlives a forgotten engine
 
     # --8<-- [start:add_request]

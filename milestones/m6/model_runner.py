@@ -3,7 +3,7 @@
 As in m5, a step in which every request decodes one token and whose batch fits a
 captured size is replayed; every other step runs eagerly. What m6 changes is who does
 what: ``prepare`` (the host) turns the batch into plain lists, copied, since the host
-changes the sequences while the step runs; ``run`` (the forward worker) makes them
+changes the sequences while the step runs; ``execute`` (the forward worker) makes them
 tensors, resolves the future ids of tokens the previous step sampled, computes the
 step and samples, leaving the tokens on the device for the step after.
 """
@@ -123,7 +123,7 @@ class ModelRunner:
                           self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
     @torch.inference_mode()
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def execute(self, step: StepInputs) -> torch.Tensor:
         """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device."""
         if isinstance(step.forward, DecodeInputs):
             hidden = self.graph_runner.run(step.forward, self.future_map)
@@ -188,7 +188,7 @@ class ModelRunner:
             inputs.token_ids.append(seq.token_ids[position])
             inputs.positions.append(position)
             inputs.slots.append(table[position // block_size] * block_size + position % block_size)
-            inputs.block_tables.append(table)
+            inputs.block_tables.append(list(table))  # a copy: the host grows the live table while the step runs
             inputs.context_lens.append(position + 1)
         return inputs
     # --8<-- [end:decode_inputs]

@@ -74,7 +74,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
         # Decodes (one token left to compute) first, then unfinished prefills; admission order within each.
-        queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        # A request whose step in flight samples its last token (by length) has nothing left to compute.
+        queue = sorted((s for s in self.running if not self._samples_its_last_token(s)),
+                       key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
@@ -107,6 +109,13 @@ class Scheduler:
             self.num_cached_tokens += seq.num_cached_tokens
             budget -= self._take(batch, seq, num_new)
         return batch if batch.seqs else None
+
+    def _samples_its_last_token(self, seq: Sequence) -> bool:
+        """Will the token its step in flight samples end it by length (max_tokens, max_model_len)? Only a stop
+        that depends on the token's value (EOS, a stop string) leaves a request in the next step for nothing."""
+        max_tokens = seq.params.max_tokens
+        at_max_tokens = max_tokens is not None and seq.num_output_tokens >= max_tokens
+        return seq.num_future_tokens > 0 and (seq.num_tokens >= self.config.max_model_len or at_max_tokens)
 
     def _match(self, seq: Sequence) -> None:
         """Start the sequence from its longest cached prefix, leaving at least its last token to compute."""

@@ -4,7 +4,7 @@ The host launches step N+1 before it has seen step N's tokens, so step N+1's inp
 cannot hold them: each token a step samples is given a *future id* (a negative number)
 when the step is launched. The host writes that id where the token will go, and the
 ``FutureMap`` resolves it on the device, where the token already is, just before the
-step that reads it runs (SGLang's future map; the seeds' diagram, with our names).
+step that reads it runs (SGLang's future map).
 
 The ``ForwardWorker`` computes the launched steps one after the other, in order: on a
 CPU in a thread of its own (torch releases the GIL inside its kernels, so the host's
@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .trace import Tracer
+
+if TYPE_CHECKING:  # only for type hints: the model runner imports this module
+    from .model_runner import ModelRunner, StepInputs
 
 
 # --8<-- [start:future_map]
@@ -71,20 +74,23 @@ class StepResult:
 class ForwardWorker:
     """Computes launched steps in launch order: in a thread of its own, or inline (m5's loop)."""
 
-    def __init__(self, run: Callable, device: torch.device, threaded: bool, tracer: Tracer) -> None:
-        self.run, self.device, self.tracer = run, device, tracer
+    def __init__(self, runner: ModelRunner, device: torch.device, threaded: bool, tracer: Tracer) -> None:
+        self.runner, self.device, self.tracer = runner, device, tracer
         self.results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and threaded else None
         self.thread = None
+        self.closed = False
         if threaded:
             # A new thread starts with torch's default thread count, not the caller's: pass it on.
             self.thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), name="forward-worker",
                                            daemon=True)
             self.thread.start()
 
-    def submit(self, step_number: int, inputs) -> None:
+    def submit(self, step_number: int, inputs: StepInputs) -> None:
         """Hand a prepared step over; inline, it is computed before this returns."""
+        if self.closed:
+            raise RuntimeError("the engine is closed: create a new LLM to generate again")
         if self.thread is None:
             self.results.put(self._compute(step_number, inputs))
         else:
@@ -102,15 +108,15 @@ class ForwardWorker:
     def _loop(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
         if self.stream is not None:
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.stream.device)  # the stream knows its device's index; "cuda" alone does not
         while (item := self.inbox.get()) is not None:
             self.results.put(self._compute(*item))
 
-    def _compute(self, step_number: int, inputs) -> StepResult:
+    def _compute(self, step_number: int, inputs: StepInputs) -> StepResult:
         start = self.tracer.now()
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                tokens = self.run(inputs)
+                tokens = self.runner.execute(inputs)
                 result = StepResult(tokens)
                 if self.stream is not None:  # copy without waiting; the host waits on the event when it needs them
                     result.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -123,7 +129,8 @@ class ForwardWorker:
         return result
 
     def close(self) -> None:
-        """Stop the thread once it has finished what it was given."""
+        """Stop the thread once it has finished what it was given; later steps are refused."""
+        self.closed = True
         if self.thread is not None and self.thread.is_alive():
             self.inbox.put(None)
             self.thread.join()

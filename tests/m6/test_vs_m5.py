@@ -161,7 +161,7 @@ def test_an_exception_in_the_forward_reaches_the_caller_and_the_engine_stays_usa
     tiny_model_path, mixed, mixed_reference, async_scheduling
 ):
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
-        calls, real_run = [], llm.engine.runner.run
+        calls, real_run = [], llm.engine.runner.execute
 
         def failing_run(inputs):
             calls.append(1)
@@ -169,7 +169,7 @@ def test_an_exception_in_the_forward_reaches_the_caller_and_the_engine_stays_usa
                 raise RuntimeError("injected failure in the forward")
             return real_run(inputs)
 
-        llm.engine.worker.run = failing_run  # what the worker calls to compute a step
+        llm.engine.runner.execute = failing_run  # what the worker calls to compute a step
         with pytest.raises(RuntimeError, match="injected failure") as caught:
             llm.generate(*mixed_as_params(mixed), use_tqdm=False)
         frames = [entry.name for entry in caught.traceback]
@@ -185,7 +185,7 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
                                                                   async_scheduling):
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
         engine, calls = llm.engine, []
-        real_run = engine.runner.run
+        real_run = engine.runner.execute
 
         def fails_once(inputs):
             calls.append(1)
@@ -193,7 +193,7 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
                 raise RuntimeError("injected failure in the forward")
             return real_run(inputs)
 
-        engine.worker.run = fails_once
+        engine.runner.execute = fails_once
         prompts, settings = mixed
         ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
         finished, failures = {}, 0
@@ -224,6 +224,9 @@ def test_no_thread_is_left_behind(tiny_model_path):
     llm.close()
     assert not worker_thread.is_alive()
     llm.close()  # twice is harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)  # refused, not a hang
+    llm.engine.check_integrity()
     with m6.LLM(tiny_model_path, **EAGER) as llm:
         second = llm.engine.worker.thread
     assert not second.is_alive()
