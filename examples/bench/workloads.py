@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,8 +41,8 @@ class Workloads:
     decode_prompt: list[int]
     mixed: list[Request]
     shared: list[Request]
-    small: list[Request]  # many short requests: the steps are short, so host time matters most
     batch_prompts: list[list[int]]  # as many prompts as the largest of --batch-sizes, all of one length
+    small: list[Request] = field(default_factory=list)  # many short requests: host time matters most
 
     def requests(self, workload: str) -> list[Request]:
         """The requests of the mixed, the shared or the small workload."""
