@@ -176,7 +176,8 @@ class HostileCaller(RuleBasedStateMachine):
         for out in outs:
             check_final(self.llm, out, params)
         if params.greedy or params.seed is not None:  # deterministic: the same tokens as the prompt alone
-            alone = self.llm.generate(batch[0], params, use_tqdm=False)[0]
+            # The first prompt as the engine read it: a batch like [5] is one prompt of token ids, not the prompt 5.
+            alone = self.llm.generate(outs[0].prompt_token_ids, params, use_tqdm=False)[0]
             assert alone.outputs[0].token_ids == outs[0].outputs[0].token_ids
             self.forget_finished()
 
