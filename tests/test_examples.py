@@ -351,7 +351,6 @@ def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
         shares[label] = hidden_host_share(events)
     assert printed == [round(100 * shares["overlap"]), round(100 * shares["sync"])]  # the script reads its trace
     assert shares["sync"] == 0  # without overlap the host waits for every forward: nothing can be hidden
-    assert shares["overlap"] > 0  # process N always follows the launch of N+1 (a structural overlap, not a speed)
     assert not trace.exists()  # with --compare the name is only the stem
 
 
