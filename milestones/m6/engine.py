@@ -140,15 +140,14 @@ class LLMEngine:
         start = self.tracer.now()
         batch = self.scheduler.schedule()  # with overlap: while the step launched last is still computing
         if batch is not None:
-            self.tracer.record("schedule", start, self.num_launched + 1, len(batch.seqs))
-            self._launch(batch)
+            self._launch(batch, start)
         if not self.in_flight or (self.config.async_scheduling and batch is not None and len(self.in_flight) < 2):
             return []  # the step just launched computes while the caller gets on; its tokens come next time
         return self._process(self.in_flight.popleft())
     # --8<-- [end:step]
 
     # --8<-- [start:launch]
-    def _launch(self, batch: ScheduledBatch) -> None:
+    def _launch(self, batch: ScheduledBatch, start: float) -> None:
         """Hand the step to the worker, and book now what it will do: its tokens computed, a future id per sample."""
         now = time.perf_counter()
         for seq in batch.seqs:
@@ -156,12 +155,14 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
         inputs = self.runner.prepare(batch)
         self.num_launched += 1
-        launched = LaunchedStep(self.num_launched, batch.seqs, [seq.num_computed_tokens for seq in batch.seqs],
-                                inputs.sample_seqs, [seq.num_tokens for seq in inputs.sample_seqs])
+        before = [seq.num_computed_tokens for seq in batch.seqs]
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new  # steps run in launch order: whatever is launched next sees them
+        launched = LaunchedStep(self.num_launched, batch.seqs, before, [seq.num_computed_tokens for seq in batch.seqs],
+                                inputs.sample_seqs, [seq.num_tokens for seq in inputs.sample_seqs])
         for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
             seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
+        self.tracer.record("schedule", start, launched.number, len(batch.seqs))  # the host's work up to the launch
         self.worker.submit(launched.number, inputs)
         self.in_flight.append(launched)
     # --8<-- [end:launch]
@@ -170,12 +171,15 @@ class LLMEngine:
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Put a computed step's tokens in place, apply the stop rules, finish requests; their outputs."""
         try:
-            tokens = self.worker.result()
-        except BaseException:
+            tokens = self.worker.result(launched.number)
+        except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
             self._roll_back(launched)
             raise
         start = self.tracer.now()
         self.num_steps += 1
+        for seq, computed in zip(launched.seqs, launched.num_computed_after):
+            if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since: the blocks are still its own
+                seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
         outputs = []
         for seq, index, token in zip(launched.sample_seqs, launched.token_indices, tokens):
             if seq.is_finished:  # it finished (or was aborted) while this step computed: the token is dropped
@@ -216,14 +220,12 @@ class LLMEngine:
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
     def _roll_back(self, failed: LaunchedStep) -> None:
-        """A step raised: wait out the steps launched after it, then undo what launching them all booked."""
+        """A step raised, or the wait for it was interrupted: undo what launching it, and the steps after it, booked.
+
+        The worker may still be computing those steps. It finishes them before anything launched from now on (it
+        keeps launch order), and ``result`` throws their results away."""
         steps = [failed, *self.in_flight]
         self.in_flight.clear()
-        for _ in steps[1:]:
-            try:
-                self.worker.result()  # built on the failed step's tokens: worthless, whatever it returns
-            except Exception:
-                pass
         for launched in reversed(steps):
             for seq, computed in zip(launched.seqs, launched.num_computed_before):
                 if seq.status is SequenceStatus.RUNNING:
@@ -290,6 +292,7 @@ class LaunchedStep:
     number: int
     seqs: list[Sequence]
     num_computed_before: list[int]  # each sequence's computed tokens before the step: what a failure restores
+    num_computed_after: list[int]  # and after it: processed once the step is
     sample_seqs: list[Sequence]  # the sequences that sample, in the order of the step's tokens
     token_indices: list[int]  # where each sampled token goes in its sequence's token_ids (its future id until then)
 

@@ -27,7 +27,7 @@ from .model import CausalLM, ModelConfig
 from .sampler import Sampler, SamplingRow
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .worker import FutureMap
+from .worker import FutureMap, to_device
 
 
 # --8<-- [start:model_inputs]
@@ -212,7 +212,7 @@ class ModelRunner:
         return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, torch.long, self.device)
 
 
 def cpp_compiler_available() -> bool:

@@ -126,12 +126,17 @@ class Scheduler:
         self.tree.lock(node)
         self.locked[seq.request_id] = node
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
+        seq.num_processed_tokens = seq.num_cached_tokens  # blocks from the tree hold their keys and values
 
+    # --8<-- [start:cache]
     def _cache(self, seq: Sequence) -> None:
-        """Insert the sequence's fully computed blocks into the tree and lock its new path."""
+        """Insert the sequence's fully computed blocks into the tree and lock its new path.
+
+        Only blocks of processed steps: a step still in flight may yet fail, and a block in the tree must hold
+        its keys and values for good."""
         if self.tree is None:
             return
-        num_blocks = seq.num_computed_tokens // self.config.block_size
+        num_blocks = seq.num_processed_tokens // self.config.block_size
         locked = self.locked[seq.request_id]
         if num_blocks * self.config.block_size <= sum(len(n.tokens) for n in _path(locked)):
             return  # nothing new since the last insert
@@ -142,6 +147,7 @@ class Scheduler:
         self.tree.lock(node)
         self.tree.unlock(locked)
         self.locked[seq.request_id] = node
+    # --8<-- [end:cache]
 
     def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
         """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
@@ -168,7 +174,7 @@ class Scheduler:
         self.block_manager.free(seq.request_id)
         if seq.request_id in self.locked:
             self.tree.unlock(self.locked.pop(seq.request_id))
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_processed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""

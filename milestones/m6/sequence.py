@@ -53,7 +53,8 @@ class Sequence:
     seed: int  # seeds the noise of every sampled token; resolved from the engine's seed when not given
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)  # prompt, generated tokens, then future ids (negative)
-    num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache
+    num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache once the launched steps have run
+    num_processed_tokens: int = 0  # of those, written by steps already processed: what the prefix cache may share
     num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -109,6 +110,9 @@ class Sequence:
         assert 0 <= self.num_computed_tokens < self.num_tokens and num_known <= max_model_len, (
             f"{name}: num_computed_tokens={self.num_computed_tokens} must be below its {self.num_tokens} tokens, "
             f"and the {num_known} known ones at most max_model_len={max_model_len}"
+        )
+        assert 0 <= self.num_processed_tokens <= self.num_computed_tokens, (
+            f"{name}: num_processed_tokens={self.num_processed_tokens} exceeds num_computed_tokens"
         )
         limit = self.params.max_tokens
         assert limit is None or len(self.output_token_ids) < limit, f"{name} reached max_tokens without finishing"

@@ -56,8 +56,7 @@ class FutureMap:
     def store(self, future_ids: list[int], tokens: torch.Tensor) -> None:
         """Keep a step's sampled tokens where the next step will look for them."""
         if future_ids:
-            index = torch.tensor([-1 - future for future in future_ids], device=self.tokens.device)
-            self.tokens[index] = tokens
+            self.tokens[to_device([-1 - future for future in future_ids], torch.long, self.tokens.device)] = tokens
 # --8<-- [end:future_map]
 
 
@@ -65,9 +64,18 @@ class FutureMap:
 class StepResult:
     """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
 
+    step_number: int
     tokens: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
     error: BaseException | None = None
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``values`` on ``device``. On CUDA the copy goes through pinned memory and does not wait for the
+    stream: a plain copy from a list would block the worker until the step before has finished computing."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 # --8<-- [start:worker]
@@ -78,7 +86,10 @@ class ForwardWorker:
         self.runner, self.device, self.tracer = runner, device, tracer
         self.results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and threaded else None
+        self.stream = None
+        if device.type == "cuda" and threaded:
+            self.stream = torch.cuda.Stream(device)
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # the weights, KV pool and graphs are ready
         self.thread = None
         self.closed = False
         if threaded:
@@ -96,14 +107,27 @@ class ForwardWorker:
         else:
             self.inbox.put((step_number, inputs))
 
-    def result(self) -> list[int]:
-        """The sampled tokens of the oldest step not yet collected (waits for them); its exception, re-raised."""
-        result = self.results.get()
+    def result(self, step_number: int) -> list[int]:
+        """Step ``step_number``'s sampled tokens (waits for them), or its exception, re-raised.
+
+        Results of older steps are thrown away: steps the host rolled back, or one whose wait was interrupted
+        (Ctrl-C), would otherwise be taken for the steps after them.
+        """
+        while (result := self._next_result()).step_number != step_number:
+            pass
         if result.error is not None:
             raise result.error  # with the worker's traceback
         if result.ready is not None:
             result.ready.synchronize()
         return result.tokens.tolist()
+
+    def _next_result(self) -> StepResult:
+        while True:
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                if self.thread is None or not self.thread.is_alive():
+                    raise RuntimeError("the forward worker has stopped: close this LLM and create a new one") from None
 
     def _loop(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
@@ -117,14 +141,14 @@ class ForwardWorker:
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
                 tokens = self.runner.execute(inputs)
-                result = StepResult(tokens)
+                result = StepResult(step_number, tokens)
                 if self.stream is not None:  # copy without waiting; the host waits on the event when it needs them
                     result.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                     result.tokens.copy_(tokens, non_blocking=True)
                     result.ready = torch.cuda.Event()
                     result.ready.record(self.stream)
-        except Exception as error:  # handed to the host, which re-raises it; the worker lives on
-            result = StepResult(error=error)
+        except BaseException as error:  # handed to the host, which re-raises it; the worker lives on
+            result = StepResult(step_number, error=error)
         self.tracer.record("forward", start, step_number, inputs.num_seqs)
         return result
 

@@ -210,6 +210,119 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
                 for o in (finished[i] for i in ids)] == mixed_reference
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_blocks_a_failed_step_was_to_fill_never_reach_the_prefix_cache(tiny_model_path, async_scheduling):
+    """A request aborted while its step is in flight, and that step fails: the blocks it never wrote are not shared
+    (a request with the same prompt would read them as its cached prefix)."""
+    prompt = [[100 + (7 * i) % 900 for i in range(60)]]  # 60 tokens: a first chunk of 24 fills three blocks of 8
+    params = [dict(temperature=0, max_tokens=8, ignore_eos=True)]
+    small_blocks = dict(EAGER, block_size=8)
+    reference = run(m5, m5.LLM(tiny_model_path, **small_blocks), prompt, params)
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **small_blocks) as llm:
+        engine, real_run = llm.engine, llm.engine.runner.execute
+
+        def fails(inputs):
+            raise RuntimeError("injected failure in the forward")
+
+        engine.runner.execute = fails
+        request_id = engine.add_request(prompt[0], m6.SamplingParams(**params[0]))
+        failures = 0
+        for action in (engine.step, lambda: engine.abort_request(request_id), engine.step):
+            try:
+                action()  # with async scheduling the first step fails one call later, after the abort
+            except RuntimeError:
+                failures += 1
+            engine.check_integrity()
+        assert failures == 1 and not engine.in_flight
+        assert engine.kv_usage()["blocks_cached"] == 0, "the prefix cache holds blocks that no step wrote"
+        engine.runner.execute = real_run
+        assert run(m6, llm, prompt, params) == reference
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_interrupted_wait_loses_no_step(tiny_model_path, mixed, mixed_reference, async_scheduling):
+    """Ctrl-C while the host waits for a step's tokens: that step is undone, and the results of later steps are
+    not mistaken for it (its result still arrives, late)."""
+    with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
+        engine = llm.engine
+        engine.worker.results = InterruptedOnce(engine.worker.results, at_wait=7)
+        prompts, settings = mixed
+        ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        finished, interruptions = {}, 0
+        while engine.has_unfinished_requests() or engine.in_flight:
+            try:
+                outputs = engine.step()
+            except KeyboardInterrupt:
+                interruptions += 1
+                outputs = []
+            finished.update((out.request_id, out) for out in outputs if out.finished)
+            engine.check_integrity()
+        assert interruptions == 1
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+                for o in (finished[i] for i in ids)] == mixed_reference
+
+
+class InterruptedOnce:
+    """A result queue whose n-th wait raises KeyboardInterrupt, as Ctrl-C does in the waiting thread."""
+
+    def __init__(self, results, at_wait: int) -> None:
+        self.results, self.at_wait, self.waits = results, at_wait, 0
+
+    def put(self, item) -> None:
+        self.results.put(item)
+
+    def get(self, *args, **kwargs):
+        self.waits += 1
+        if self.waits == self.at_wait:
+            raise KeyboardInterrupt  # before the result is taken: it stays in the queue
+        return self.results.get(*args, **kwargs)
+
+
+class Halt(BaseException):
+    """Not an Exception: what a forward could raise that a plain ``except Exception`` would miss."""
+
+
+def test_a_base_exception_in_the_forward_reaches_the_caller(tiny_model_path, mixed, mixed_reference):
+    with m6.LLM(tiny_model_path, **EAGER) as llm:
+        real_run = llm.engine.runner.execute
+
+        def halts(inputs):
+            raise Halt("injected")
+
+        llm.engine.runner.execute = halts
+        with pytest.raises(Halt):
+            llm.generate(*mixed_as_params(mixed), use_tqdm=False)
+        llm.engine.check_integrity()
+        assert llm.engine.worker.thread.is_alive()
+        llm.engine.runner.execute = real_run
+        assert run(m6, llm, *mixed) == mixed_reference
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
+def test_a_dead_worker_is_reported_not_waited_for(tiny_model_path):
+    llm = m6.LLM(tiny_model_path, **EAGER)
+
+    def dies(step_number, inputs):
+        raise SystemExit  # ends the worker's thread without a result
+
+    llm.engine.worker._compute = dies
+    errors = []
+
+    def generate():
+        try:
+            llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)
+        except RuntimeError as error:
+            errors.append(error)
+
+    caller = threading.Thread(target=generate, daemon=True)  # so that a hang fails the test instead of stalling it
+    caller.start()
+    caller.join(timeout=60)
+    assert not caller.is_alive(), "the host waits forever for a worker that has died"
+    assert len(errors) == 1 and "forward worker has stopped" in str(errors[0])
+    llm.engine.check_integrity()
+    llm.close()
+
+
 def mixed_as_params(mixed):
     prompts, settings = mixed
     return prompts, [m6.SamplingParams(**s) for s in settings]
