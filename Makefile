@@ -56,8 +56,8 @@ gpu-check:
 	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(GPU_PYTHON) -m pytest -m cuda tests/cuda -v -rA -s
 	test -f $(GPU_MODEL)/model.safetensors || $(GPU_PYTHON) -m tests.checkpoints smollm2-135m $(GPU_MODEL)
-	$(GPU_PYTHON) examples/benchmark.py --model $(GPU_MODEL) --device cuda --engines all,m5@eager \
-		--workloads decode,batch,mixed --batch-sizes 8,64 --max-num-seqs 64 \
+	$(GPU_PYTHON) examples/benchmark.py --model $(GPU_MODEL) --device cuda --engines all,m5@eager,m6@sync \
+		--workloads decode,batch,mixed,small --batch-sizes 4,8,64 --max-num-seqs 64 \
 		--out $(GPU_RESULTS)/benchmark.json --plot
 
 lint: $(STAMP)

@@ -352,6 +352,17 @@ def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     assert printed == [round(100 * shares["overlap"]), round(100 * shares["sync"])]  # the script reads its trace
     assert shares["sync"] == 0  # without overlap the host waits for every forward: nothing can be hidden
     assert not trace.exists()  # with --compare the name is only the stem
+    # The two timelines, drawn one above the other, as on the m6 page.
+    png = tmp_path / "timeline.png"
+    traces = [str(tmp_path / f"trace-{label}.json") for label in ("sync", "overlap")]
+    out = run_script("examples/plot_trace.py", *traces, "--steps", "1,3", "--out", str(png)).stdout
+    assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = subprocess.run([sys.executable, "examples/plot_trace.py", str(tmp_path / "none.json")], cwd=REPO_ROOT,
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "m6_inference.py --trace" in missing.stderr
+    beyond = subprocess.run([sys.executable, "examples/plot_trace.py", traces[0], "--steps", "900,901"],
+                            cwd=REPO_ROOT, capture_output=True, text=True)
+    assert beyond.returncode == 1 and "choose other --steps" in beyond.stderr
 
 
 @pytest.mark.parametrize("script, flags", [

@@ -75,7 +75,8 @@ class Scheduler:
         batch = ScheduledBatch([], [], [])
         # Decodes (one token left to compute) first, then unfinished prefills; admission order within each.
         # A request whose step in flight samples its last token (by length) has nothing left to compute.
-        queue = sorted((s for s in self.running if not self._samples_its_last_token(s)),
+        finishing = [s for s in self.running if self._samples_its_last_token(s)]
+        queue = sorted((s for s in self.running if s not in finishing),
                        key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         preempted = False
         while queue and budget > 0:
@@ -94,12 +95,15 @@ class Scheduler:
             # Measured read-only: sorting must not split edges or refresh the LRU times of requests still waiting.
             self.waiting = deque(sorted(self.waiting, key=lambda s: -self.tree.cached_prefix_length(s.token_ids[:-1])))
         # Admit waiting requests while their first chunk's blocks are free and one more block per running
-        # request stays free, room for everyone to grow (never right after a preemption).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        # request stays free, room for everyone to grow (never right after a preemption). A finishing request
+        # gives up its place at once, as in m5: the steps of the one admitted instead run after its last.
+        while self.waiting and budget > 0 and len(self.running) - len(finishing) < self.config.max_num_seqs \
+                and not preempted:
             seq = self.waiting[0]
             self._match(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new, headroom=len(self.running)):
+            growing = len(self.running) - len(finishing)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, headroom=growing):
                 self._release(seq)
                 break
             self.waiting.popleft()

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from milestones import m1, m2, m3, m4, m5
+from milestones import m1, m2, m3, m4, m5, m6
+from milestones.m6.trace import hidden_host_share
 from tests.m1.test_vs_transformers import RecordingSampler, varied_prompts
 from tests.m2.test_vs_m1 import mixed_workload, run
 from tests.m4.test_vs_m3 import shared_prefix_workload
@@ -94,6 +95,46 @@ def test_m5_cuda_graphs_match_m4(tiny_model_factory, kind, dtype):
     print(f"\n{kind} {dtype}: {stats}")
     captured.engine.check_integrity()
     assert run(m5, m5.LLM(path, **limits, enforce_eager=True), prompts, settings) == reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_m6_matches_m5_on_cuda(tiny_model_factory, dtype, async_scheduling, tmp_path):
+    """m6 == m5 on the GPU: the worker's stream, pinned copies, future ids resolved on the device, graphs replayed."""
+    path = tiny_model_factory("smollm2-135m")
+    limits = dict(device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    prompts, settings = mixed_workload(16, seed=3, max_prompt=90, max_output=40)
+    reference = run(m5, m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4]), prompts, settings)
+    trace = tmp_path / "trace.json"
+    with m6.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4], async_scheduling=async_scheduling,
+                trace_file=str(trace)) as llm:
+        assert run(m6, llm, prompts, settings) == reference
+        llm.engine.check_integrity()
+        assert llm.engine.graph_stats()["replays"] > 0
+        share = hidden_host_share(llm.engine.tracer.events)
+    print(f"\nm6 {dtype} async={async_scheduling}: hidden host share {100 * share:.0f}%")
+    assert trace.exists()
+
+
+def test_m6_survives_a_failed_step_on_cuda(tiny_model_path):
+    prompts, settings = mixed_workload(8, seed=4, max_prompt=60, max_output=24)
+    limits = dict(device="cuda", max_model_len=256, max_num_seqs=4)
+    reference = run(m5, m5.LLM(tiny_model_path, **limits), prompts, settings)
+    with m6.LLM(tiny_model_path, **limits) as llm:
+        real_run, calls = llm.engine.runner.execute, []
+
+        def fails_once(inputs):
+            calls.append(1)
+            if len(calls) == 5:
+                raise RuntimeError("injected failure in the forward")
+            return real_run(inputs)
+
+        llm.engine.runner.execute = fails_once
+        with pytest.raises(RuntimeError, match="injected"):
+            run(m6, llm, prompts, settings)
+        llm.engine.check_integrity()
+        assert run(m6, llm, prompts, settings) == reference
+    assert not llm.engine.worker.thread.is_alive()
 
 
 def test_m5_default_capture_sizes_on_cuda(tiny_model_path):

@@ -119,6 +119,19 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
         assert_all_blocks_returned(llm)
 
 
+def test_a_request_finishing_by_length_gives_up_its_place_at_once(tiny_model_path):
+    """Requests that all end by max_tokens: m6 knows at launch which step samples their last token, so a waiting
+    request takes the place in the very next step, as in m5, and the run takes no more steps than m5's."""
+    prompts = [f"Tell me about the number {i}." for i in range(12)]
+    settings = [dict(temperature=0, max_tokens=2 + i % 5, ignore_eos=True) for i in range(12)]
+    few_places = dict(EAGER, max_num_seqs=3)
+    reference_llm = m5.LLM(tiny_model_path, **few_places)
+    reference = run(m5, reference_llm, prompts, settings)
+    with m6.LLM(tiny_model_path, **few_places) as llm:
+        assert stepped(llm, prompts, settings) == reference
+        assert llm.engine.num_steps == reference_llm.engine.num_steps
+
+
 def test_a_step_is_in_flight_between_calls(tiny_model_path):
     with m6.LLM(tiny_model_path, **EAGER) as llm:
         engine = llm.engine
