@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .workloads import SMALL_REQUESTS
+
 
 def write_plot(results: dict, path: Path) -> None:
     try:
@@ -24,6 +26,7 @@ def write_plot(results: dict, path: Path) -> None:
         "mixed": f"mixed: {config['num_requests']} requests",
         "shared": f"shared prefix: {config['num_requests']} requests, "
                   f"{config['shared_prefix_len']}-token system prompt",
+        "small": f"small: {SMALL_REQUESTS} requests of 4-16 tokens in and out",
     }
     fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
