@@ -44,6 +44,22 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	$(VENV)/bin/mkdocs serve
 
+# The notebooks under docs/notebooks are stored with their outputs (the site shows them as they are);
+# tests/test_notebooks.py fails when they are stale. This re-executes them and writes them back.
+.PHONY: notebooks-refresh notebook
+notebooks-refresh: $(STAMP)
+	$(PY) -m tests.test_notebooks --refresh
+
+# JupyterLab on docs/notebooks. Not in requirements.txt: installed on demand, pinned in pyproject.toml's
+# `notebooks` extra (the editable install is redone with that extra; installed packages are kept).
+NOTEBOOK_STAMP := $(VENV)/.notebooks-installed
+$(NOTEBOOK_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install --quiet -e ".[notebooks]"
+	touch $(NOTEBOOK_STAMP)
+
+notebook: $(NOTEBOOK_STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=docs/notebooks
+
 bench: model
 	$(PY) examples/benchmark.py
 
