@@ -28,7 +28,9 @@ def write_plot(results: dict, path: Path) -> None:
                   f"{config['shared_prefix_len']}-token system prompt",
         "small": f"small: {SMALL_REQUESTS} requests of 4-16 tokens in and out",
     }
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    most_bars = max(sum(r["workload"] == w for r in ok) for w in workloads)
+    width = max(5.5, 0.85 * most_bars)  # room for every bar's label
+    fig, axes = plt.subplots(1, len(workloads), figsize=(width * len(workloads), 4.6), squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
         rows = [r for r in ok if r["workload"] == workload]
         names = [bar_label(r) for r in rows]
@@ -40,7 +42,7 @@ def write_plot(results: dict, path: Path) -> None:
                      "tokens each")
         ax.set_ylabel("output tokens/s (higher is better)")
         ax.set_ylim(0, max(values) * 1.18)
-        ax.tick_params(axis="x", labelrotation=15)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", rotation_mode="anchor")  # long names
     threads = machine["torch_threads"]
     fig.suptitle(f"{config['model']}, {config['dtype']} on {machine['device']} ({machine['cpu_count']} CPUs, "
                  f"{threads} torch thread{'s' * (threads != 1)}, torch {machine['torch']})", fontsize=10)
