@@ -1,0 +1,222 @@
+"""Every docs page, as a real browser draws it with no network (issue 18).
+
+test_docs_offline.py checks the site's files; this module looks at the pages as rendered. It builds
+the site into a temporary directory, serves it on 127.0.0.1 and loads each page in headless
+Chromium (Debian's ``chromium`` package; ``.ci/run`` installs it) with every host other than
+127.0.0.1 unreachable, so a CDN fetch fails as it would offline. It then reads the DOM after the
+page's scripts ran (``--dump-dom``) and checks that:
+
+* every mermaid diagram was drawn: no ``pre.mermaid`` block is left holding its source text, and
+  each became material's ``div.mermaid`` with an ``<svg>`` in it;
+* every notebook page shows cell outputs (``.jp-OutputArea-output`` with text).
+
+Material draws each diagram into a *closed* shadow root (``attachShadow({mode: "closed"})``) of a
+new ``div.mermaid``, which ``--dump-dom`` does not serialize: the dump shows only an empty
+``<div class="mermaid"></div>``. So the test server adds one small script to each page it serves
+(the files on disk are untouched) that wraps ``Element.prototype.attachShadow`` and copies the
+shadow root's HTML into a ``data-shadow-html`` attribute of its host, where the dump shows it.
+
+With no ``chromium`` (or ``chromium-browser``) on PATH the tests are skipped.
+"""
+
+from __future__ import annotations
+
+import http.server
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from functools import partial
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = pytest.mark.skipif(
+    BROWSER is None,
+    reason="no chromium or chromium-browser on PATH to render the site (.ci/run installs Debian's chromium)",
+)
+
+# Wraps attachShadow so that what material draws into a closed shadow root shows in the dumped DOM.
+SHADOW_MIRROR = (
+    "<script>(() => {"
+    "const attach = Element.prototype.attachShadow;"
+    "Element.prototype.attachShadow = function (init) {"
+    "const root = attach.call(this, init), host = this;"
+    "new MutationObserver(() => host.setAttribute('data-shadow-html', root.innerHTML))"
+    ".observe(root, {childList: true, subtree: true, characterData: true});"
+    "return root; };"
+    "})();</script>"
+)
+# The first line of a mermaid diagram's source: a <pre> starting so on a rendered page is a diagram
+# left as raw text (when mermaid fails, material leaves the block as `<pre class=""><code>...`).
+MERMAID_SOURCE = re.compile(
+    r"\s*(?:(?:flowchart|graph)\s+(?:TB|TD|BT|RL|LR)|sequenceDiagram|stateDiagram(?:-v2)?|classDiagram"
+    r"|erDiagram|gantt|pie|mindmap|timeline|gitGraph)[ \t]*(?:\n|$)"
+)
+VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
+
+
+def nav_pages() -> list[str]:
+    """The site path of every page in mkdocs.yml's nav ("" for the home page, "m1/", "notebooks/x/")."""
+    text = (REPO_ROOT / "mkdocs.yml").read_text()
+    sources = re.findall(r"^\s*-\s*(?:[^\n]*?:\s+)?\"?([\w/.-]+\.(?:md|ipynb))\"?\s*$", text, re.M)
+    assert sources, "found no pages in mkdocs.yml's nav"
+    pages = []
+    for source in sources:
+        stem = source.rsplit(".", 1)[0]
+        pages.append("" if stem == "index" else stem.removesuffix("/index") + "/")
+    return pages
+
+
+PAGES = nav_pages()
+
+
+class Elements(HTMLParser):
+    """The elements of a page with one of ``tags`` or a class in ``classes``: tag, classes, attrs, text."""
+
+    def __init__(self, classes: set[str], tags: set[str]):
+        super().__init__(convert_charrefs=True)
+        self.wanted = classes
+        self.tags = tags
+        self.found: list[dict] = []
+        self.open: list[tuple[dict, int]] = []  # wanted elements still open, with their depth
+        self.depth = 0
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        classes = set((attrs.get("class") or "").split())
+        if classes & self.wanted or tag in self.tags:
+            element = {"tag": tag, "classes": classes, "attrs": attrs, "text": ""}
+            self.found.append(element)
+            if tag not in VOID_TAGS:
+                self.open.append((element, self.depth))
+        if tag not in VOID_TAGS:
+            self.depth += 1
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        if tag not in VOID_TAGS:
+            self.handle_endtag(tag)
+
+    def handle_endtag(self, tag):
+        if tag in VOID_TAGS:
+            return
+        self.depth = max(self.depth - 1, 0)
+        while self.open and self.open[-1][1] >= self.depth:
+            self.open.pop()
+
+    def handle_data(self, data):
+        for element, _ in self.open:
+            element["text"] += data
+
+
+def elements(html: str, *classes: str, tags: tuple[str, ...] = ()) -> list[dict]:
+    parser = Elements(set(classes), set(tags))
+    parser.feed(html)
+    parser.close()
+    return parser.found
+
+
+class SiteHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the built site, adding SHADOW_MIRROR at the top of each HTML page's <head>."""
+
+    def do_GET(self):
+        path = Path(self.translate_path(self.path))
+        if path.is_dir():
+            path = path / "index.html"
+        if path.suffix != ".html" or not path.is_file():
+            return super().do_GET()
+        html = path.read_text(encoding="utf-8").replace("<head>", "<head>" + SHADOW_MIRROR, 1)
+        body = html.encode("utf-8")
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format, *args):  # keep the test output quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """The site, built once with this interpreter's mkdocs, as `make docs` builds it."""
+    out = tmp_path_factory.mktemp("site")
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert build.returncode == 0, f"mkdocs build --strict failed:\n{build.stdout}\n{build.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_url(site):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(SiteHandler, directory=str(site)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("chromium-profile")
+
+
+def rendered_dom(url: str, profile: Path) -> str:
+    """The page's DOM after its scripts ran, from headless Chromium with no network but 127.0.0.1."""
+    command = [
+        BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        # No network: names other than 127.0.0.1 do not resolve, and anything else goes to a dead proxy.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+        "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
+        "--virtual-time-budget=10000", "--dump-dom", url,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "</html>" in result.stdout, (
+        f"chromium could not render {url} (exit {result.returncode}):\n{result.stderr[-3000:]}"
+    )
+    return result.stdout
+
+
+def test_every_built_page_is_checked(site):
+    built = sorted(
+        str(p.parent.relative_to(site)) + "/" if p.parent != site else ""
+        for p in site.rglob("index.html")
+        if p.parent.name != "search"
+    )
+    assert built == sorted(PAGES), "the built pages and mkdocs.yml's nav differ: update this test's page list"
+
+
+def test_the_browser_cannot_reach_the_network(profile):
+    dom = rendered_dom("https://unpkg.com/mermaid@11/dist/mermaid.min.js", profile)
+    assert "__esbuild_esm_mermaid_nm" not in dom, "a CDN address loaded in the test browser"
+    assert re.search(r"ERR_[A-Z_]+", dom), "expected chromium's network-error page for a CDN address"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p or "index" for p in PAGES])
+def test_page_renders_offline(page, site, base_url, profile):
+    source = (site / page / "index.html").read_text(encoding="utf-8")
+    diagrams = len(elements(source, "mermaid"))
+    dom = rendered_dom(base_url + page, profile)
+
+    found = elements(dom, "mermaid", tags=("pre",))
+    raw = [e for e in found if e["tag"] == "pre" and ("mermaid" in e["classes"] or MERMAID_SOURCE.match(e["text"]))]
+    assert not raw, f"{len(raw)} mermaid diagram(s) on /{page} left as raw text: {raw[0]['text'][:80]!r}"
+    mermaid = [e for e in found if "mermaid" in e["classes"]]
+    drawn = [e for e in mermaid if "<svg" in e["attrs"].get("data-shadow-html", "")]
+    assert len(drawn) == diagrams, f"/{page} has {diagrams} mermaid diagram(s) but {len(drawn)} drawn as SVG"
+    broken = [e for e in drawn if "Syntax error" in e["attrs"]["data-shadow-html"]]
+    assert not broken, f"{len(broken)} mermaid diagram(s) on /{page} drew mermaid's syntax-error picture"
+
+    if page.startswith("notebooks/"):
+        outputs = [e for e in elements(dom, "jp-OutputArea-output") if e["text"].strip()]
+        assert outputs, f"notebook page /{page} shows no cell outputs"
