@@ -23,13 +23,7 @@ SITE = REPO_ROOT / "site"
 
 # A CDN address that would fetch mermaid (or a mermaid plugin) from the network.
 CDN_MERMAID = re.compile(r"(unpkg\.com|cdn\.jsdelivr\.net|cdnjs\.cloudflare\.com)/[^\"'\s]*mermaid", re.I)
-# The notebook pages also carry nbconvert's own mermaid loader (mkdocs-jupyter has no option for
-# it): a module script that imports mermaid from cdnjs, but only when the page has a
-# `.jp-Mermaid > pre.mermaid` diagram. No notebook has one, and material's mermaid component (using
-# the vendored copy) renders such `pre.mermaid` blocks too, so it is left alone and skipped here.
-NBCONVERT_LOADER = re.compile(
-    r"<script type=\"module\">(?:(?!</script>).)*\.jp-Mermaid > pre\.mermaid.*?</script>", re.S
-)
+# The notebook pages' own nbconvert mermaid loader (a cdnjs import) is dropped by docs/hooks/offline.py.
 
 
 def extra_javascript() -> list[str]:
@@ -73,5 +67,5 @@ def test_built_site_does_not_fetch_mermaid_from_a_cdn():
         if 'class="mermaid"' in html:  # a page with a diagram
             assert re.search(r"<script src=\"[./]*assets/javascripts/mermaid\.min\.js\"", html), \
                 f"{name} does not load the vendored mermaid"
-        cdn = CDN_MERMAID.search(NBCONVERT_LOADER.sub("", html))
+        cdn = CDN_MERMAID.search(html)
         assert cdn is None, f"{name} loads mermaid from a CDN: {cdn.group(0)}"
