@@ -35,14 +35,15 @@ def test_budgets_are_respected_every_step():
     scheduler = Scheduler(EngineConfig(max_num_seqs=3, max_num_batched_tokens=10))
     for i, n in enumerate([25, 4, 9, 1, 12]):
         scheduler.add(make_seq(f"r{i}", n))
-    for _ in range(30):
+    for _ in range(30):  # no request finishes: every step has work
         batch = step(scheduler)
-        if batch is None:
-            break
+        assert batch is not None, "the scheduler planned nothing while requests were waiting and running"
         assert sum(batch.num_new_tokens) <= 10
         assert len(batch.seqs) <= 3 and len(scheduler.running) <= 3
         assert len(set(batch.kv_slots)) == len(batch.kv_slots), "two running requests share a KV slot"
         assert all(n >= 1 for n in batch.num_new_tokens)
+    assert len(scheduler.running) == 3 and all(seq.num_computed_tokens == seq.num_tokens - 1
+                                                for seq in scheduler.running), "the running requests never decoded"
 
 
 def test_long_prompt_is_chunked_and_progresses():

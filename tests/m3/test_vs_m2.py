@@ -82,11 +82,15 @@ def test_pool_is_sized_from_the_memory_budget(tiny_model_path):
 
 def test_kv_report_counts_blocks(tiny_model_path):
     engine = m3.LLM(tiny_model_path, block_size=4, **LIMITS).engine
-    engine.add_request(list(range(100, 110)), m3.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    request_id = engine.add_request(list(range(100, 110)),
+                                    m3.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     engine.step()
     usage = engine.kv_usage()
     assert usage["blocks_in_use"] == 3 and usage["used_bytes"] == 10 * engine.runner.kv_bytes_per_token
-    assert usage["blocks_in_use"] + usage["blocks_free"] == engine.config.num_kv_blocks
+    block_manager = engine.scheduler.block_manager
+    table, free = block_manager.block_tables[request_id], set(block_manager.free_blocks)
+    assert len(table) == 3 and not free & set(table), "a block of a running request's table is also on the free list"
+    assert usage["blocks_free"] == len(free) == engine.config.num_kv_blocks - 3
 
 
 @pytest.mark.real_model

@@ -118,7 +118,9 @@ def test_trap_same_prefix_inserted_by_two_running_requests(tiny_model_path):
         for out in engine.step():
             outputs[out.request_id] = out
         checked(llm)
-    assert outputs["a"].outputs[0].token_ids == outputs["b"].outputs[0].token_ids
+    greedy = dict(temperature=0, max_tokens=20, ignore_eos=True)
+    reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), [prompt], [greedy])
+    assert outputs["a"].outputs[0].token_ids == outputs["b"].outputs[0].token_ids == reference[0][0]
     assert outputs["a"].num_cached_tokens == outputs["b"].num_cached_tokens == 0
     block_manager = scheduler.block_manager
     assert block_manager.num_free_blocks + len(scheduler.tree.cached_blocks()) == block_manager.num_blocks
@@ -138,9 +140,14 @@ def test_trap_eviction_never_touches_locked_paths(tiny_model_path):
     while engine.has_unfinished_requests():
         engine.step()
         checked(llm)
-        if "long" in scheduler.locked:
-            table = scheduler.block_manager.block_tables["long"]
-            assert all(scheduler.block_manager.ref_count[b] > 0 for b in table)
+        if "long" in scheduler.locked:  # its cached prefix is locked: every block of it must still be in the tree
+            cached, node = set(scheduler.tree.cached_blocks()), scheduler.locked["long"]
+            while node is not scheduler.tree.root:
+                assert node.lock_ref > 0 and set(node.blocks) <= cached, "a block of a locked path was evicted"
+                assert node.parent.children.get(node.tokens[: scheduler.tree.block_size]) is node, (
+                    "a locked node was cut out of the tree"
+                )
+                node = node.parent
     reference = m3.LLM(tiny_model_path, **LIMITS).generate(
         long_runner, m3.SamplingParams(temperature=0, max_tokens=60, ignore_eos=True), use_tqdm=False
     )
