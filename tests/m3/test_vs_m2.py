@@ -102,3 +102,25 @@ def test_m3_matches_m2_on_the_bundled_model():
     llm = m3.LLM(block_size=16, num_kv_blocks=12, **limits)  # the longest request needs 8 blocks
     assert run(m3, llm, prompts, settings) == reference
     assert llm.engine.kv_usage()["num_preemptions"] > 0
+
+
+def test_the_victim_is_the_latest_admitted_request_not_yet_scheduled(tiny_model_path):
+    """The m3 notebook's run: at step 5 B needs a third block and the pool is empty. The victim rule picks C, admitted
+    after B and not yet scheduled in that step, not B itself (which would also give the right tokens, later)."""
+    llm = m3.LLM(tiny_model_path, device="cpu", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                 block_size=4, num_kv_blocks=8)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    preempted, preempt = [], scheduler._preempt
+
+    def recording_preempt(seq):
+        preempted.append((engine.num_steps + 1, seq.request_id))
+        preempt(seq)
+
+    scheduler._preempt = recording_preempt
+    for request_id, (prompt_len, max_tokens) in {"A": (6, 8), "B": (5, 8), "C": (9, 4), "D": (3, 6)}.items():
+        params = m3.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(list(range(1000, 1000 + prompt_len)), params, request_id=request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+        scheduler.check_integrity()
+    assert preempted == [(5, "C")]
