@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 docs docs-serve bench gpu-check lint clean
+.PHONY: mutations setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 docs docs-serve bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,10 @@ $(NOTEBOOK_STAMP): $(STAMP) pyproject.toml
 
 notebook: $(NOTEBOOK_STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=docs/notebooks
+
+# Plant each bug of tests/mutations.py in a scratch copy and check that its tests catch it.
+mutations: model
+	$(PY) -m tests.mutations
 
 bench: model
 	$(PY) examples/benchmark.py
