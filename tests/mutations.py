@@ -37,6 +37,18 @@ class Mutation:
 
 CATALOGUE = (
     Mutation(
+        "m2-budget-ignored", "milestones/m2/scheduler.py",
+        "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
+        "        num_new = seq.num_tokens - seq.num_computed_tokens\n",
+        ("tests/m2",), "a prompt is scheduled whole, whatever is left of the step's token budget",
+    ),
+    Mutation(
+        "m3-slot-off-by-one", "milestones/m3/model_runner.py",
+        "table[p // block_size] * block_size + p % block_size for p in range(start, end)",
+        "table[p // block_size] * block_size + (p + 1) % block_size for p in range(start, end)",
+        ("tests/m3",), "a token's key and value are written one slot away from where attention reads them",
+    ),
+    Mutation(
         "m3-victim-self", "milestones/m3/scheduler.py",
         "victim = max(queue, key=self.running.index) if queue else seq", "victim = seq",
         ("tests/m3",), "a request that cannot grow preempts itself instead of the latest admitted one",
