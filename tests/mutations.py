@@ -70,6 +70,11 @@ CATALOGUE = (
         ("tests/m4",), "eviction that ignores the locks of running requests",
     ),
     Mutation(
+        "m5-padding-writes-slot-0", "milestones/m5/graph_runner.py",
+        "inputs.slots + [self.scratch_slot] * pad", "inputs.slots + [0] * pad",
+        ("tests/m5",), "the padding rows of a replayed batch write their keys and values into a real block",
+    ),
+    Mutation(
         "m6-keep-lag-token", "milestones/m6/engine.py",
         "            if seq.is_finished:  # it finished (or was aborted) while this step computed: "
         "the token is dropped\n                continue\n",
