@@ -75,6 +75,11 @@ CATALOGUE = (
         ("tests/m5",), "the padding rows of a replayed batch write their keys and values into a real block",
     ),
     Mutation(
+        "m6-future-off-by-one", "milestones/m6/worker.py",
+        "found = self.tokens[(-1 - input_ids).clamp(min=0)]", "found = self.tokens[(-input_ids).clamp(min=0)]",
+        ("tests/m6",), "a future id is resolved to the token in the next slot of the future map",
+    ),
+    Mutation(
         "m6-keep-lag-token", "milestones/m6/engine.py",
         "            if seq.is_finished:  # it finished (or was aborted) while this step computed: "
         "the token is dropped\n                continue\n",
