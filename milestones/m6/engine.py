@@ -251,11 +251,13 @@ class LLMEngine:
     @serialized
     def close(self) -> None:
         """Process the steps still in flight, stop the forward worker, write the trace if one was asked for."""
-        while self.in_flight:
-            self._process(self.in_flight.popleft())
-        self._stop_worker()
-        if self.config.trace_file is not None:
-            self.tracer.write(self.config.trace_file)
+        try:
+            while self.in_flight:
+                self._process(self.in_flight.popleft())  # a step that raises here still lets the worker stop
+        finally:
+            self._stop_worker()
+            if self.config.trace_file is not None:
+                self.tracer.write(self.config.trace_file)
 
     @serialized
     def check_integrity(self) -> None:

@@ -365,6 +365,24 @@ def test_no_thread_is_left_behind(tiny_model_path):
     assert sync.engine.worker.thread is None  # m5's loop: the caller's thread computes
 
 
+def test_close_stops_the_worker_even_when_the_step_in_flight_failed(tiny_model_path, tmp_path):
+    trace = tmp_path / "trace.json"
+    llm = m6.LLM(tiny_model_path, trace_file=str(trace), **EAGER)
+    engine, thread = llm.engine, llm.engine.worker.thread
+
+    def fails(inputs):
+        raise RuntimeError("injected failure in the forward")
+
+    engine.runner.execute = fails
+    engine.add_request("Hello there", m6.SamplingParams(max_tokens=4))
+    assert engine.step() == [] and engine.in_flight  # launched: it fails on the worker, unseen until processed
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and trace.exists()
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_the_trace_has_one_event_of_each_kind_per_step(tiny_model_path, tmp_path, async_scheduling):
     path = tmp_path / "trace.json"
