@@ -13,6 +13,7 @@ refactored) must be rewritten, not skipped. The exit status is 1 if either happe
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COPIED = ("milestones", "tests", "pyproject.toml")  # what the tests need, nothing generated
+TIMEOUT_SECONDS = 600
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,14 @@ class Mutation:
     why: str  # the mistake, in a learner's words
 
 
+# --8<-- [start:catalogue]
 CATALOGUE = (
+    Mutation(
+        "m1-top-p-drops-crossing-token", "milestones/m1/sampler.py",
+        "sorted_logits.masked_fill_(mass_before > p[:, None], float(\"-inf\"))",
+        "sorted_logits.masked_fill_(mass_before + sorted_probs > p[:, None], float(\"-inf\"))",
+        ("tests/m1/test_sampler.py",), "top-p also drops the token whose probability carries the mass past p",
+    ),
     Mutation(
         "m2-budget-ignored", "milestones/m2/scheduler.py",
         "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
@@ -43,10 +52,41 @@ CATALOGUE = (
         ("tests/m2",), "a prompt is scheduled whole, whatever is left of the step's token budget",
     ),
     Mutation(
+        "m2-chunk-samples-midway", "milestones/m2/model_runner.py",
+        "            if end == seq.num_tokens:  # the chunk reaches the end",
+        "            if end > start:  # the chunk reaches the end",
+        ("tests/m2",), "every chunk of a long prompt samples a token, not only the one that ends it",
+    ),
+    Mutation(
+        "m2-prefills-before-decodes", "milestones/m2/scheduler.py",
+        "key=lambda s: s.num_tokens - s.num_computed_tokens > 1)",
+        "key=lambda s: s.num_tokens - s.num_computed_tokens == 1)",
+        ("tests/m2/test_scheduler.py",), "unfinished prefills are scheduled before decodes: a long prompt stalls them",
+    ),
+    Mutation(
         "m3-slot-off-by-one", "milestones/m3/model_runner.py",
         "table[p // block_size] * block_size + p % block_size for p in range(start, end)",
         "table[p // block_size] * block_size + (p + 1) % block_size for p in range(start, end)",
         ("tests/m3",), "a token's key and value are written one slot away from where attention reads them",
+    ),
+    Mutation(
+        "m3-blocks-rounded-down", "milestones/m3/block_manager.py",
+        "return -(-num_tokens // self.block_size)  # ceiling division",
+        "return num_tokens // self.block_size  # ceiling division",
+        ("tests/m3",), "a request gets a block per full block of tokens, none for the partly filled last one",
+    ),
+    Mutation(
+        "m3-free-leaks-blocks", "milestones/m3/block_manager.py",
+        "self.free_blocks.extend(self.block_tables.pop(request_id, ()))",
+        "self.block_tables.pop(request_id, ())",
+        ("tests/m3",), "a finished request's blocks are forgotten instead of returned to the free list",
+    ),
+    Mutation(
+        "m3-admit-without-headroom", "milestones/m3/scheduler.py",
+        "if needed + len(self.running) > self.block_manager.num_free_blocks:",
+        "if needed > self.block_manager.num_free_blocks:",
+        ("tests/m3/test_scheduler.py", "tests/m3/test_vs_m2.py"),
+        "admission takes every free block, leaving the running requests no room to grow",
     ),
     Mutation(
         "m3-victim-self", "milestones/m3/scheduler.py",
@@ -70,9 +110,42 @@ CATALOGUE = (
         ("tests/m4",), "eviction that ignores the locks of running requests",
     ),
     Mutation(
+        "m4-match-whole-prompt", "milestones/m4/scheduler.py",
+        "blocks, node = self.tree.match_prefix(seq.token_ids[:-1])",
+        "blocks, node = self.tree.match_prefix(seq.token_ids)",
+        ("tests/m4",), "a fully cached prompt is matched to its end, leaving no token whose logits give the next one",
+    ),
+    Mutation(
+        "m4-cache-without-hold", "milestones/m4/scheduler.py",
+        "        for block in adopted:\n            self.block_manager.hold(block)\n",
+        "",
+        ("tests/m4",), "blocks the tree takes over gain no holder, so they are freed while the tree still serves them",
+    ),
+    Mutation(
+        "m4-cache-keeps-old-lock", "milestones/m4/scheduler.py",
+        "        self.tree.lock(node)\n        self.tree.unlock(locked)\n",
+        "        self.tree.lock(node)\n",
+        ("tests/m4",), "a request that extends its cached path locks the new end but never unlocks the old one",
+    ),
+    Mutation(
+        "m4-evict-most-recent", "milestones/m4/radix_tree.py",
+        "leaves = [(n.last_access, id(n), n)", "leaves = [(-n.last_access, id(n), n)",
+        ("tests/m4",), "eviction drops the most recently used leaf first instead of the least",
+    ),
+    Mutation(
+        "m4-split-loses-locks", "milestones/m4/radix_tree.py",
+        "lock_ref=child.lock_ref, last_access=child.last_access)", "lock_ref=0, last_access=child.last_access)",
+        ("tests/m4",), "splitting a locked edge leaves its upper half unlocked and open to eviction",
+    ),
+    Mutation(
         "m5-padding-writes-slot-0", "milestones/m5/graph_runner.py",
         "inputs.slots + [self.scratch_slot] * pad", "inputs.slots + [0] * pad",
         ("tests/m5",), "the padding rows of a replayed batch write their keys and values into a real block",
+    ),
+    Mutation(
+        "m5-stale-positions", "milestones/m5/graph_runner.py",
+        "        self._fill(self.positions, size, inputs.positions + [0] * pad)\n", "",
+        ("tests/m5",), "a replay reads the positions its static buffer held at capture, not this step's",
     ),
     Mutation(
         "m6-future-off-by-one", "milestones/m6/worker.py",
@@ -86,7 +159,19 @@ CATALOGUE = (
         "",
         ("tests/m6",), "the token a finished request's lag step computed is kept",
     ),
+    Mutation(
+        "m6-cache-unprocessed-blocks", "milestones/m6/scheduler.py",
+        "num_blocks = seq.num_processed_tokens // self.config.block_size",
+        "num_blocks = seq.num_computed_tokens // self.config.block_size",
+        ("tests/m6",), "blocks of a step still in flight enter the prefix cache before anything is written in them",
+    ),
+    Mutation(
+        "m6-roll-back-keeps-computed", "milestones/m6/engine.py",
+        "                    seq.num_computed_tokens = computed\n", "                    pass\n",
+        ("tests/m6",), "a failed step's tokens stay counted as computed, so they are never computed again",
+    ),
 )
+# --8<-- [end:catalogue]
 
 
 def plant(scratch: Path, mutation: Mutation) -> bool:
@@ -99,8 +184,15 @@ def plant(scratch: Path, mutation: Mutation) -> bool:
     return True
 
 
-def run(mutation: Mutation) -> tuple[str, float]:
-    """Plant one mutation in a fresh copy and run its tests: 'caught', 'SURVIVED' or 'STALE'."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    verdict: str  # caught, SURVIVED, STALE (the text is not in the file once), TIMEOUT or ERROR
+    seconds: float
+    caught_by: str  # the first failing test, or why there is none
+
+
+def run(mutation: Mutation) -> Outcome:
+    """Plant one mutation in a fresh copy of the repository and run its tests."""
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=f"mutation-{mutation.name}-") as folder:
         scratch = Path(folder)
@@ -111,28 +203,40 @@ def run(mutation: Mutation) -> tuple[str, float]:
             else:
                 shutil.copy2(source, scratch / name)
         if not plant(scratch, mutation):
-            return "STALE", time.perf_counter() - start
+            return Outcome("STALE", time.perf_counter() - start, f"its text is not once in {mutation.path}")
         # -x: one failing test is enough; the scratch copy comes first on sys.path (pytest runs from it).
-        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                 "-p", "no:logging", *mutation.tests], cwd=scratch, capture_output=True, text=True)
-        outcome = "caught" if result.returncode == 1 else "SURVIVED" if result.returncode == 0 else "ERROR"
-    return outcome, time.perf_counter() - start
+        command = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:logging",
+                   *mutation.tests]
+        try:
+            result = subprocess.run(command, cwd=scratch, capture_output=True, text=True, timeout=TIMEOUT_SECONDS)
+        except subprocess.TimeoutExpired:  # a hang is a failure a learner cannot read: the suite should say why
+            return Outcome("TIMEOUT", time.perf_counter() - start, f"no verdict within {TIMEOUT_SECONDS} s")
+    seconds = time.perf_counter() - start
+    if result.returncode == 0:
+        return Outcome("SURVIVED", seconds, "every test passed")
+    failed = re.search(r"^FAILED (\S+)", result.stdout, re.MULTILINE)
+    if result.returncode == 1 and failed:
+        return Outcome("caught", seconds, failed.group(1))
+    last_lines = " | ".join((result.stdout + result.stderr).strip().splitlines()[-3:])
+    return Outcome("ERROR", seconds, f"pytest exited with {result.returncode}: {last_lines}")
 
 
 def main(names: list[str]) -> int:
-    chosen = [m for m in CATALOGUE if not names or m.name in names]
     unknown = set(names) - {m.name for m in CATALOGUE}
     if unknown:
         print(f"unknown mutations: {', '.join(sorted(unknown))}; known: {', '.join(m.name for m in CATALOGUE)}")
         return 2
-    print(f"{'mutation':28} {'outcome':9} {'seconds':>8}  tests")
+    chosen = [m for m in CATALOGUE if not names or m.name in names]
+    print(f"{'mutation':32} {'outcome':9} {'seconds':>7}  caught by")
     bad = 0
     for mutation in chosen:
-        outcome, seconds = run(mutation)
-        bad += outcome != "caught"
-        print(f"{mutation.name:28} {outcome:9} {seconds:8.1f}  {' '.join(mutation.tests)}", flush=True)
-    print(f"{len(chosen) - bad} of {len(chosen)} caught" + ("" if not bad else "; STALE: rewrite the mutation"
-                                                              " for the code as it is now"))
+        outcome = run(mutation)
+        bad += outcome.verdict != "caught"
+        print(f"{mutation.name:32} {outcome.verdict:9} {outcome.seconds:7.1f}  {outcome.caught_by}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} caught")
+    if bad:
+        print("SURVIVED: add a test that fails for it; STALE: rewrite the mutation for the code as it is now;"
+              " TIMEOUT: a test should fail with a message rather than hang")
     return 1 if bad else 0
 
 

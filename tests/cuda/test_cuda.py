@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from milestones import m1, m2, m3, m4, m5, m6
 from milestones.m6.trace import hidden_host_share
+from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.m1.test_vs_transformers import RecordingSampler, varied_prompts
-from tests.m2.test_vs_m1 import mixed_workload, run
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -68,14 +68,14 @@ def test_the_chain_holds_on_cuda(tiny_model_factory, kind, dtype):
     batching = dict(max_num_seqs=5, max_num_batched_tokens=24)
     prompts, settings = mixed_workload(16, seed=3, max_prompt=120, max_output=40)
     reference = run(m1, m1.LLM(path, **limits), prompts, settings)
-    assert run(m2, m2.LLM(path, **limits, **batching), prompts, settings) == reference
+    assert_same_outputs(run(m2, m2.LLM(path, **limits, **batching), prompts, settings), reference)
     paged = m3.LLM(path, **limits, **batching, block_size=4, num_kv_blocks=60)
-    assert run(m3, paged, prompts, settings) == reference
+    assert_same_outputs(run(m3, paged, prompts, settings), reference)
     assert paged.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for every request at once"
     shared_prompts, shared_settings = shared_prefix_workload(10, prefix_len=70, seed=1)
     shared_reference = run(m3, m3.LLM(path, **limits, **batching), shared_prompts, shared_settings)
     cached = m4.LLM(path, **limits, **batching)
-    assert run(m4, cached, shared_prompts, shared_settings) == shared_reference
+    assert_same_outputs(run(m4, cached, shared_prompts, shared_settings), shared_reference)
     assert cached.engine.kv_usage()["prefix_hit_rate"] > 0.5
     cached.engine.scheduler.check_integrity()
 
@@ -89,12 +89,12 @@ def test_m5_cuda_graphs_match_m4(tiny_model_factory, kind, dtype):
     prompts, settings = mixed_workload(16, seed=3, max_prompt=90, max_output=40)
     reference = run(m4, m4.LLM(path, **limits), prompts, settings)
     captured = m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4])
-    assert run(m5, captured, prompts, settings) == reference
+    assert_same_outputs(run(m5, captured, prompts, settings), reference)
     stats = captured.engine.graph_stats()
     assert stats["replays"] > 0 and stats["padded_rows"] > 0, stats
     print(f"\n{kind} {dtype}: {stats}")
     captured.engine.check_integrity()
-    assert run(m5, m5.LLM(path, **limits, enforce_eager=True), prompts, settings) == reference
+    assert_same_outputs(run(m5, m5.LLM(path, **limits, enforce_eager=True), prompts, settings), reference)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -108,7 +108,7 @@ def test_m6_matches_m5_on_cuda(tiny_model_factory, dtype, async_scheduling, tmp_
     trace = tmp_path / "trace.json"
     with m6.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4], async_scheduling=async_scheduling,
                 trace_file=str(trace)) as llm:
-        assert run(m6, llm, prompts, settings) == reference
+        assert_same_outputs(run(m6, llm, prompts, settings), reference)
         llm.engine.check_integrity()
         assert llm.engine.graph_stats()["replays"] > 0
         share = hidden_host_share(llm.engine.tracer.events)
@@ -133,7 +133,7 @@ def test_m6_survives_a_failed_step_on_cuda(tiny_model_path):
         with pytest.raises(RuntimeError, match="injected"):
             run(m6, llm, prompts, settings)
         llm.engine.check_integrity()
-        assert run(m6, llm, prompts, settings) == reference
+        assert_same_outputs(run(m6, llm, prompts, settings), reference)
     assert not llm.engine.worker.thread.is_alive()
 
 

@@ -15,8 +15,8 @@ import torch
 import milestones.kernels.decode_attention as kernel_build
 from milestones import m2
 from milestones.m2.attention import decode_attention
+from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
-from tests.m2.test_vs_m1 import mixed_workload, run
 
 CPU = torch.device("cpu")
 
@@ -83,7 +83,7 @@ def test_the_backends_give_the_same_tokens(tiny_model_path):
     reference = run(m2, m2.LLM(tiny_model_path, attention_backend="torch", **limits), prompts, settings)
     llm = m2.LLM(tiny_model_path, attention_backend="cpp", **limits)
     assert llm.engine.runner.decode_kernel is not None
-    assert run(m2, llm, prompts, settings) == reference
+    assert_same_outputs(run(m2, llm, prompts, settings), reference)
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, tiny_model_path):

@@ -10,7 +10,7 @@ from torch import nn
 import milestones.kernels.packed_linear as packed_linear
 from milestones import m1, m2
 from milestones.kernels import PackedLinear
-from tests.m2.test_vs_m1 import mixed_workload, run
+from tests.chain import assert_same_outputs, mixed_workload, run
 
 CPU = torch.device("cpu")
 needs_onednn = pytest.mark.skipif(not packed_linear.onednn_available(), reason="this torch build has no oneDNN")
@@ -50,7 +50,7 @@ def test_the_backends_give_the_same_tokens(tiny_model_factory, kind):
     reference = run(m2, m2.LLM(path, linear_backend="torch", **limits), prompts, settings)
     llm = m2.LLM(path, linear_backend="onednn", **limits)
     assert isinstance(llm.engine.runner.compute_logits, PackedLinear)
-    assert run(m2, llm, prompts, settings) == reference
+    assert_same_outputs(run(m2, llm, prompts, settings), reference)
 
 
 @needs_onednn
@@ -60,7 +60,7 @@ def test_m1_packs_too_and_gives_the_same_tokens(tiny_model_path):
     reference = run(m1, plain, prompts, settings)
     llm = m1.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="onednn")
     assert isinstance(llm.engine.runner.compute_logits, PackedLinear)
-    assert run(m1, llm, prompts, settings) == reference
+    assert_same_outputs(run(m1, llm, prompts, settings), reference)
 
 
 def test_auto_packs_only_on_a_cpu_in_float32(monkeypatch):

@@ -2,36 +2,10 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from milestones import m1, m2
-
-
-def mixed_workload(num_requests: int, seed: int, max_prompt: int, max_output: int):
-    """Prompts of varied lengths (real token ids drawn from the vocabulary) and a mix of sampling settings."""
-    rng = random.Random(seed)
-    prompts, params = [], []
-    for i in range(num_requests):
-        prompts.append([rng.randrange(3, 49152) for _ in range(rng.randint(1, max_prompt))])
-        kind = i % 4
-        settings = dict(max_tokens=rng.randint(1, max_output), seed=1000 + i, ignore_eos=i % 5 != 0)
-        if kind == 0:
-            settings.update(temperature=0)
-        elif kind == 1:
-            settings.update(temperature=0.8)
-        elif kind == 2:
-            settings.update(temperature=1.0, top_p=0.9)
-        else:
-            settings.update(temperature=0.7, top_k=40)
-        params.append(settings)
-    return prompts, params
-
-
-def run(mod, llm, prompts, settings):
-    outs = llm.generate(prompts, [mod.SamplingParams(**s) for s in settings], use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+from tests.chain import assert_same_outputs, mixed_workload, run
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
@@ -42,8 +16,8 @@ def test_m2_matches_m1_on_a_mixed_workload(tiny_model_factory, kind):
     # Few slots, so requests queue and join mid-flight; a small budget, so prompts are chunked.
     llm = m2.LLM(path, device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
     ours = run(m2, llm, prompts, settings)
-    assert ours == reference
-    assert llm.engine.num_steps < sum(len(t) for t, _, _ in reference) + len(prompts), "no batching happened"
+    assert_same_outputs(ours, reference, settings)
+    assert llm.engine.num_steps < sum(len(c.token_ids) for c in reference) + len(prompts), "no batching happened"
 
 
 def test_every_step_respects_the_limits(tiny_model_path):
@@ -89,4 +63,4 @@ def test_m2_matches_m1_on_the_bundled_model():
     reference = run(m1, m1.LLM(device="cpu", max_model_len=256), prompts, settings)
     batched = m2.LLM(device="cpu", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=48)
     ours = run(m2, batched, prompts, settings)
-    assert ours == reference
+    assert_same_outputs(ours, reference, settings)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from milestones import m2, m3
+from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
-from tests.m2.test_vs_m1 import mixed_workload, run
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
 
@@ -25,7 +25,7 @@ def reference(tiny_model_path, workload):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_m3_matches_m2(tiny_model_path, workload, reference, block_size):
     llm = m3.LLM(tiny_model_path, block_size=block_size, **LIMITS)
-    assert run(m3, llm, *workload) == reference
+    assert_same_outputs(run(m3, llm, *workload), reference)
     assert llm.engine.kv_usage()["blocks_in_use"] == 0
     llm.engine.scheduler.block_manager.check_integrity()
 
@@ -33,7 +33,7 @@ def test_m3_matches_m2(tiny_model_path, workload, reference, block_size):
 @pytest.mark.parametrize("block_size, num_blocks", [(16, 12), (1, 170), (7, 25)])
 def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, reference, block_size, num_blocks):
     llm = m3.LLM(tiny_model_path, block_size=block_size, num_kv_blocks=num_blocks, **LIMITS)
-    assert run(m3, llm, *workload) == reference
+    assert_same_outputs(run(m3, llm, *workload), reference)
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] >= 10, usage
     assert usage["blocks_free"] == num_blocks
@@ -47,7 +47,7 @@ def test_m3_with_the_compiled_kernel_matches_m2(tiny_model_path, workload, refer
     runner, calls = llm.engine.runner, []
     kernel = runner.decode_kernel
     runner.decode_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
-    assert run(m3, llm, *workload) == reference
+    assert_same_outputs(run(m3, llm, *workload), reference)
     assert llm.engine.kv_usage()["num_preemptions"] >= 10
     assert len(calls) > 100 and max(calls) > 1, "the decodes did not go to the kernel"
 
@@ -56,7 +56,7 @@ def test_m3_with_plain_torch_attention_matches_m2(tiny_model_path, workload, ref
     """The reference path (gather every block table, per-request torch attention), preempting as well."""
     llm = m3.LLM(tiny_model_path, block_size=16, num_kv_blocks=12, attention_backend="torch", **LIMITS)
     assert llm.engine.runner.decode_kernel is None
-    assert run(m3, llm, *workload) == reference
+    assert_same_outputs(run(m3, llm, *workload), reference)
     assert llm.engine.kv_usage()["num_preemptions"] >= 10
 
 
@@ -100,7 +100,7 @@ def test_m3_matches_m2_on_the_bundled_model():
     limits = dict(device="cpu", max_model_len=192, max_num_seqs=6, max_num_batched_tokens=48)
     reference = run(m2, m2.LLM(**limits), prompts, settings)
     llm = m3.LLM(block_size=16, num_kv_blocks=12, **limits)  # the longest request needs 8 blocks
-    assert run(m3, llm, prompts, settings) == reference
+    assert_same_outputs(run(m3, llm, prompts, settings), reference)
     assert llm.engine.kv_usage()["num_preemptions"] > 0
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from milestones import m3, m4
-from tests.m2.test_vs_m1 import mixed_workload, run
+from tests.chain import assert_same_outputs, mixed_workload, run
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
 
@@ -45,7 +45,7 @@ def mixed_reference(tiny_model_path, mixed):
 )
 def test_m4_matches_m3_on_the_mixed_workload(tiny_model_path, mixed, mixed_reference, options):
     llm = m4.LLM(tiny_model_path, **LIMITS, **options)
-    assert run(m4, llm, *mixed) == mixed_reference
+    assert_same_outputs(run(m4, llm, *mixed), mixed_reference)
     checked(llm)
 
 
@@ -157,7 +157,7 @@ def test_trap_eviction_never_touches_locked_paths(tiny_model_path):
 
 def test_trap_tiny_pool_interleaves_eviction_and_preemption(tiny_model_path, mixed, mixed_reference):
     llm = m4.LLM(tiny_model_path, **LIMITS, block_size=16, num_kv_blocks=12)
-    assert run(m4, llm, *mixed) == mixed_reference
+    assert_same_outputs(run(m4, llm, *mixed), mixed_reference)
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] >= 5 and usage["prefix_hit_rate"] > 0
     checked(llm)

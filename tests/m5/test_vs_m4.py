@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from milestones import m4, m5
+from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
-from tests.m2.test_vs_m1 import mixed_workload, run
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
 pytestmark = needs_compiler  # torch.compile on a CPU builds C++
@@ -37,12 +37,12 @@ def checked(llm):
 def test_m5_matches_m4_on_a_mixed_workload(tiny_model_path, captured, mixed):
     reference = run(m4, m4.LLM(tiny_model_path, **LIMITS), *mixed)
     before = captured.engine.graph_stats()
-    assert run(m5, checked(captured), *mixed) == reference
+    assert_same_outputs(run(m5, checked(captured), *mixed), reference)
     stats = captured.engine.graph_stats()
     assert stats["captured_sizes"] == SIZES
     assert stats["replays"] > before["replays"] and stats["eager_steps"] > before["eager_steps"]
     eager = m5.LLM(tiny_model_path, enforce_eager=True, **LIMITS)
-    assert run(m5, eager, *mixed) == reference
+    assert_same_outputs(run(m5, eager, *mixed), reference)
     assert eager.engine.graph_stats()["replays"] == 0
     checked(captured)
 
@@ -53,7 +53,7 @@ def test_m5_matches_m4_with_preemption_and_prefix_hits(tiny_model_path):
     tight = dict(LIMITS, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
     reference = run(m4, m4.LLM(tiny_model_path, **tight), prompts, settings)
     llm = m5.LLM(tiny_model_path, cudagraph_capture_sizes=SIZES, **tight)
-    assert run(m5, llm, prompts, settings) == reference
+    assert_same_outputs(run(m5, llm, prompts, settings), reference)
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
     stats = llm.engine.graph_stats()
@@ -120,7 +120,7 @@ def test_m5_matches_m4_on_the_bundled_model(bundled_model_path):
     limits = dict(device="cpu", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64)
     reference = run(m4, m4.LLM(bundled_model_path, **limits), prompts, settings)
     llm = m5.LLM(bundled_model_path, cudagraph_capture_sizes=[2], **limits)  # one capture: a batch of 1 is padded
-    assert run(m5, llm, prompts, settings) == reference
+    assert_same_outputs(run(m5, llm, prompts, settings), reference)
     stats = llm.engine.graph_stats()
     assert stats["replays"] > 0 and stats["padded_rows"] > 0
     checked(llm)

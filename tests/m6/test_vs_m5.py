@@ -16,8 +16,8 @@ import pytest
 
 from milestones import m5, m6
 from milestones.m6.trace import hidden_host_share
+from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
-from tests.m2.test_vs_m1 import mixed_workload, run
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
@@ -61,9 +61,9 @@ def assert_all_blocks_returned(llm):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_m6_matches_m5_on_a_mixed_workload(tiny_model_path, mixed, mixed_reference, async_scheduling):
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
-        assert stepped(llm, *mixed) == mixed_reference
+        assert_same_outputs(stepped(llm, *mixed), mixed_reference)
         assert_all_blocks_returned(llm)
-        assert run(m6, llm, *mixed) == mixed_reference  # and through generate, on a warm engine
+        assert_same_outputs(run(m6, llm, *mixed), mixed_reference)  # and through generate, on a warm engine
 
 
 @needs_compiler
@@ -71,7 +71,7 @@ def test_m6_matches_m5_on_a_mixed_workload(tiny_model_path, mixed, mixed_referen
 def test_m6_matches_m5_with_the_decode_step_captured(tiny_model_path, mixed, mixed_reference, async_scheduling):
     sizes = [1, 4]  # batches of 2 and 3 are padded to 4, batches of 5 run eagerly
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, cudagraph_capture_sizes=sizes, **LIMITS) as llm:
-        assert stepped(llm, *mixed) == mixed_reference
+        assert_same_outputs(stepped(llm, *mixed), mixed_reference)
         stats = llm.engine.graph_stats()
         assert stats["replays"] > 0 and stats["padded_rows"] > 0 and stats["eager_steps"] > 0, stats
 
@@ -83,7 +83,7 @@ def test_m6_matches_m5_with_preemption_and_prefix_hits(tiny_model_path, async_sc
     tight = dict(EAGER, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
     reference = run(m5, m5.LLM(tiny_model_path, **tight), prompts, settings)
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **tight) as llm:
-        assert stepped(llm, prompts, settings) == reference
+        assert_same_outputs(stepped(llm, prompts, settings), reference)
         usage = llm.engine.kv_usage()
         assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
         assert_all_blocks_returned(llm)
@@ -109,7 +109,7 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
     assert {reason for _, reason, _ in reference} == {"stop", "length"}
     with m6.LLM(tiny_model_path, **small_blocks) as llm:
         ours = stepped(llm, prompts, settings)
-        assert ours == reference
+        assert_same_outputs(ours, reference)
         # A finished request caches what m5 would: not the token its lag step was computing.
         assert llm.engine.kv_usage()["blocks_cached"] == reference_llm.engine.kv_usage()["blocks_cached"]
         for (tokens, _, _), s in zip(ours, settings):
@@ -128,7 +128,7 @@ def test_a_request_finishing_by_length_gives_up_its_place_at_once(tiny_model_pat
     reference_llm = m5.LLM(tiny_model_path, **few_places)
     reference = run(m5, reference_llm, prompts, settings)
     with m6.LLM(tiny_model_path, **few_places) as llm:
-        assert stepped(llm, prompts, settings) == reference
+        assert_same_outputs(stepped(llm, prompts, settings), reference)
         assert llm.engine.num_steps == reference_llm.engine.num_steps
 
 
@@ -190,7 +190,7 @@ def test_an_exception_in_the_forward_reaches_the_caller_and_the_engine_stays_usa
         llm.engine.check_integrity()
         assert not llm.engine.has_unfinished_requests() and not llm.engine.in_flight
         assert_all_blocks_returned(llm)
-        assert run(m6, llm, *mixed) == mixed_reference
+        assert_same_outputs(run(m6, llm, *mixed), mixed_reference)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -249,7 +249,7 @@ def test_blocks_a_failed_step_was_to_fill_never_reach_the_prefix_cache(tiny_mode
         assert failures == 1 and not engine.in_flight
         assert engine.kv_usage()["blocks_cached"] == 0, "the prefix cache holds blocks that no step wrote"
         engine.runner.execute = real_run
-        assert run(m6, llm, prompt, params) == reference
+        assert_same_outputs(run(m6, llm, prompt, params), reference)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -308,7 +308,7 @@ def test_a_base_exception_in_the_forward_reaches_the_caller(tiny_model_path, mix
         llm.engine.check_integrity()
         assert llm.engine.worker.thread.is_alive()
         llm.engine.runner.execute = real_run
-        assert run(m6, llm, *mixed) == mixed_reference
+        assert_same_outputs(run(m6, llm, *mixed), mixed_reference)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point

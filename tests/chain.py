@@ -1,0 +1,92 @@
+"""The correctness chain's tools: a mixed workload, a checked run of it, and a comparison that says what diverged.
+
+``run`` drives ``LLM.generate`` with the engine's integrity check after every step and
+a cap on the number of steps, so a bookkeeping bug fails at the step that made it (a
+leaked block, a lost lock) and a scheduler that stops making progress fails with a
+message instead of hanging. ``assert_same_outputs`` names the first request and token
+where two runs differ.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+
+def mixed_workload(num_requests: int, seed: int, max_prompt: int, max_output: int):
+    """Prompts of varied lengths (real token ids drawn from the vocabulary) and a mix of sampling settings."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(num_requests):
+        prompts.append([rng.randrange(3, 49152) for _ in range(rng.randint(1, max_prompt))])
+        kind = i % 4
+        settings = dict(max_tokens=rng.randint(1, max_output), seed=1000 + i, ignore_eos=i % 5 != 0)
+        if kind == 0:
+            settings.update(temperature=0)
+        elif kind == 1:
+            settings.update(temperature=0.8)
+        elif kind == 2:
+            settings.update(temperature=1.0, top_p=0.9)
+        else:
+            settings.update(temperature=0.7, top_k=40)
+        params.append(settings)
+    return prompts, params
+
+
+class Completion(NamedTuple):
+    """What the chain compares of one request: its tokens, why it stopped, its text."""
+
+    token_ids: list[int]
+    finish_reason: str
+    text: str
+
+
+def run(mod, llm, prompts, settings) -> list[Completion]:
+    """Generate the workload with ``llm``, checking the engine's integrity after every step."""
+    engine = llm.engine
+    # Every step computes at least one token of some request, so a working engine needs fewer steps than this.
+    longest = engine.config.max_model_len
+    longest = engine.config.max_model_len
+    max_steps = 10 * sum(len(p) + (s.get("max_tokens") or longest) for p, s in zip(prompts, settings))
+    step, num_steps, own_step = engine.step, 0, "step" in vars(engine)  # a test may have wrapped it already
+
+    def checked_step():
+        nonlocal num_steps
+        outputs = step()
+        num_steps += 1
+        engine.check_integrity()  # an AssertionError here names the invariant this step broke
+        assert num_steps <= max_steps, (
+            f"{num_steps} steps and requests are still unfinished: the scheduler has stopped making progress "
+            "(are blocks or slots returned when a request finishes? can a waiting request be admitted?)"
+        )
+        return outputs
+
+    engine.step = checked_step  # generate calls it through the instance, so every step is checked
+    try:
+        outs = llm.generate(prompts, [mod.SamplingParams(**s) for s in settings], use_tqdm=False)
+    finally:
+        if own_step:
+            engine.step = step
+        else:
+            del engine.step
+    return [Completion(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+
+
+def assert_same_outputs(ours: list[Completion], reference: list[Completion], settings=None) -> None:
+    """Fail with the first request that differs: at which token, what the reference gave and what we gave."""
+    assert len(ours) == len(reference), f"{len(ours)} outputs for {len(reference)} requests"
+    for index, (got, want) in enumerate(zip(ours, reference)):
+        if got == want:
+            continue
+        got, want = Completion(*got), Completion(*want)
+        where = f"request {index}" + (f" (sampling {settings[index]})" if settings is not None else "")
+        agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if agree is not None:
+            raise AssertionError(f"{where}: output token {agree} differs: the reference gave {want.token_ids[agree]}, "
+                                 f"this engine gave {got.token_ids[agree]} (the {agree} tokens before it agree)")
+        if len(got.token_ids) != len(want.token_ids):
+            raise AssertionError(
+                f"{where}: the reference stopped after {len(want.token_ids)} tokens ({want.finish_reason!r}), this "
+                f"engine after {len(got.token_ids)} ({got.finish_reason!r}); the tokens both have agree")
+        raise AssertionError(f"{where}: same tokens, but the reference gave finish_reason={want.finish_reason!r}, "
+                             f"text={want.text!r:.60}; this engine {got.finish_reason!r}, {got.text!r:.60}")

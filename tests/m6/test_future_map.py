@@ -1,0 +1,39 @@
+"""m6's future map on its own: ids around a ring, tokens stored where the next step finds them."""
+
+from __future__ import annotations
+
+import torch
+
+from milestones.m6.worker import FutureMap
+
+CPU = torch.device("cpu")
+
+
+def test_future_ids_are_negative_and_wrap_around_the_ring():
+    futures = FutureMap(4, CPU)
+    assert futures.allocate(3) == [-1, -2, -3]
+    assert futures.allocate(3) == [-4, -1, -2]  # the ring has four places
+    assert futures.allocate(0) == []
+
+
+def test_resolve_replaces_only_future_ids_by_their_stored_tokens():
+    futures = FutureMap(6, CPU)
+    first = futures.allocate(2)
+    futures.store(first, torch.tensor([101, 102]))
+    second = futures.allocate(3)
+    futures.store(second, torch.tensor([201, 202, 203]))
+    input_ids = torch.tensor([7, second[2], first[0], 0, second[0], first[1]])
+    futures.resolve_(input_ids)  # in place: the step's input buffer itself
+    assert input_ids.tolist() == [7, 203, 101, 0, 201, 102]
+
+
+def test_a_later_step_overwrites_a_slot_only_after_the_ring_wraps():
+    futures = FutureMap(2, CPU)
+    ids = futures.allocate(2)
+    futures.store(ids, torch.tensor([5, 6]))
+    again = futures.allocate(1)
+    assert again == [ids[0]]
+    futures.store(again, torch.tensor([9]))
+    input_ids = torch.tensor(ids)
+    futures.resolve_(input_ids)
+    assert input_ids.tolist() == [9, 6]
