@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: mutations setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 docs docs-serve bench gpu-check lint clean
+.PHONY: serve exercise check mutations setup model demo test test-fast test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 docs docs-serve bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -59,6 +59,18 @@ $(NOTEBOOK_STAMP): $(STAMP) pyproject.toml
 
 notebook: $(NOTEBOOK_STAMP)
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=docs/notebooks
+
+# An OpenAI-compatible server for one milestone on 127.0.0.1:8000 (docs/serve.md): make serve M=m4
+serve: model
+	$(PY) -m milestones.serve --milestone $(or $(M),m4)
+
+# Build a milestone yourself: `make exercise M=m3` writes workspace/m3, the reference with its lesson left to you;
+# `make check M=m3 [IMPL=workspace/m3]` runs the milestone's tests against it, step by step (docs/exercises.md).
+exercise: $(STAMP)
+	$(PY) -m milestones.exercise start $(M)
+
+check: model
+	$(PY) -m milestones.exercise check $(M) $(if $(IMPL),--impl $(IMPL))
 
 # Plant each bug of tests/mutations.py in a scratch copy and check that its tests catch it.
 mutations: model

@@ -1,0 +1,150 @@
+"""Each milestone's lesson as exercises: the functions a learner writes, and the steps of tests that check them.
+
+An ``Exercise`` names a snippet section of a reference file (the code the milestone's
+page shows) and the functions inside it whose bodies are the lesson; ``python -m
+milestones.exercise start`` replaces those bodies by ``raise NotImplementedError``.
+A ``Step`` is a group of tests, ordered from the smallest piece to the whole engine:
+a learner passes them one at a time. The last steps of every milestone compare the
+engine with the reference m(K-1), token for token, and run the contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Exercise:
+    file: str  # in the milestone's package
+    section: str  # the snippet section (as the docs include it) that holds the functions
+    functions: tuple[str, ...]  # qualified names, e.g. "BlockManager.grow"
+    todo: str  # what to build, in a sentence
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    tests: tuple[str, ...]  # pytest arguments, relative to the repository root
+    hint: str  # what to look at when this step fails
+    exercises: tuple[Exercise, ...] = ()  # what this step is the first to check
+
+
+def contract(milestone: str) -> Step:
+    return Step("the contract of every milestone", ("tests/contract",),
+                f"{milestone} keeps the public API and its promises (errors, streaming, aborts): see docs/promises.md")
+
+
+LESSONS: dict[str, tuple[Step, ...]] = {
+    # --8<-- [start:m2]
+    "m2": (
+        Step("scheduler: budgets and chunks", ("tests/m2/test_scheduler.py",),
+             "the scheduler plans every step from scratch: decodes first, then prompt chunks, then admissions",
+             (Exercise("scheduler.py", "schedule", ("Scheduler.schedule", "Scheduler._take"),
+                       "plan one step: each decoding request's next token first, then the next chunk of each "
+                       "prompt still prefilling, then waiting requests in arrival order while a KV slot is free, "
+                       "all within max_num_seqs and the max_num_batched_tokens budget."),)),
+        Step("one packed forward, the same tokens as m1", ("tests/m2/test_vs_m1.py",),
+             "compare your prepare_inputs with m1's: every request's positions start at its num_computed_tokens",
+             (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
+                       "pack every scheduled request's new tokens into one flat batch: ids, positions, each "
+                       "token's KV slot, one RequestSpan per request, and the rows that sample (a chunk that "
+                       "reaches the end of its sequence)."),
+              Exercise("attention.py", "attention", ("attention",),
+                       "write the new keys and values into each token's slot, then attend request by request "
+                       "over its own slot, up to its context length."))),
+        contract("m2"),
+    ),
+    # --8<-- [end:m2]
+    # --8<-- [start:m3]
+    "m3": (
+        Step("block manager", ("tests/m3/test_block_manager.py",),
+             "a block is free or owned by exactly one request; tables grow one block at a time",
+             (Exercise("block_manager.py", "grow", ("BlockManager.grow",),
+                       "extend the request's block table with free blocks until it can hold num_tokens tokens; "
+                       "raise RuntimeError if too few are free."),
+              Exercise("block_manager.py", "free", ("BlockManager.free",),
+                       "return every block of the request to the free list."))),
+        Step("slot mapping and paged attention", ("tests/m3/test_paged_attention.py",),
+             "token p of a request lives in block table[p // block_size], at offset p % block_size",
+             (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
+                       "as in m2, but each token's slot is table[p // block_size] * block_size + p % block_size, "
+                       "and each request reads its blocks through its block table."),
+              Exercise("attention.py", "gather", ("gather",),
+                       "read the blocks of the tables into one run of keys (or values): "
+                       "[kv_heads, len(tables) * block_size, dim]."))),
+        Step("scheduler: admission and preemption", ("tests/m3/test_scheduler.py",),
+             "admission keeps one free block per running request; the victim is the latest admitted request",
+             (Exercise("scheduler.py", "schedule", ("Scheduler.schedule", "Scheduler._take", "Scheduler._preempt"),
+                       "m2's plan over blocks: grow each request's table as it is scheduled, preempt the latest "
+                       "admitted request (recompute: free its blocks, reset its computed tokens) when blocks run "
+                       "out, admit while the first chunk fits and one block per running request stays free."),)),
+        Step("the engine, the same tokens as m2", ("tests/m3/test_vs_m2.py",),
+             "the integrity check runs after every step: its message names the bookkeeping that broke"),
+        contract("m3"),
+    ),
+    # --8<-- [end:m3]
+    # --8<-- [start:m4]
+    "m4": (
+        Step("radix tree", ("tests/m4/test_radix_tree.py",),
+             "edges hold whole blocks; locked nodes are never evicted; eviction is least recently used first",
+             (Exercise("radix_tree.py", "match_prefix", ("RadixTree.match_prefix",),
+                       "follow the shared edges from the root, splitting the last one where the tokens leave it; "
+                       "return the blocks of the match and its last node."),
+              Exercise("radix_tree.py", "insert", ("RadixTree.insert",),
+                       "add a computed prefix, keeping the tree's own blocks where it already has the tokens; "
+                       "return the last node and the blocks the tree newly took over."),
+              Exercise("radix_tree.py", "lock", ("RadixTree.lock",),
+                       "count one more user on every node up to the root, keeping num_evictable_blocks exact."),
+              Exercise("radix_tree.py", "unlock", ("RadixTree.unlock",),
+                       "count one user fewer on every node up to the root, keeping num_evictable_blocks exact."),
+              Exercise("radix_tree.py", "evict", ("RadixTree.evict",),
+                       "drop unlocked leaves, least recently used first (a parent left childless becomes a "
+                       "leaf), until num_blocks blocks are released or none is left."))),
+        Step("scheduler: match, cache, evict", ("tests/m4/test_scheduler.py",),
+             "a request locks the path it uses; blocks the tree takes over gain a holder",
+             (Exercise("scheduler.py", "schedule", ("Scheduler._match", "Scheduler._cache", "Scheduler._make_room"),
+                       "start a request from its longest cached prefix (never its last token), insert its "
+                       "computed blocks into the tree and move its lock down, and evict cached blocks before "
+                       "preempting anyone."),)),
+        Step("the engine, the same tokens as m3", ("tests/m4/test_vs_m3.py",),
+             "the integrity check runs after every step: a lock lost, or a block freed while cached, shows there"),
+        contract("m4"),
+    ),
+    # --8<-- [end:m4]
+    # --8<-- [start:m5]
+    "m5": (
+        Step("a padded replay", ("tests/m5/test_vs_m4.py", "-k", "padded_replay or small_batch_after_a_large"),
+             "a replay reads only the static buffers: copy every input into them; padding rows write to the "
+             "scratch block, and unused table entries point at it",
+             (Exercise("model_runner.py", "decode_inputs", ("ModelRunner.decode_inputs",),
+                       "for each decoding request: its token, position, the slot its key and value go to, its "
+                       "block table and its context length (the new token included)."),
+              Exercise("graph_runner.py", "run", ("GraphRunner.run",),
+                       "pad the batch to the smallest captured size that holds it, fill every static buffer "
+                       "(padding writes to the scratch slot and reads one position), replay, and return the "
+                       "real rows."))),
+        Step("the engine, the same tokens as m4",
+             ("tests/m5/test_vs_m4.py", "-k", "not padded_replay and not small_batch_after_a_large"),
+             "the same tokens with graphs on and off (enforce_eager=True): compare the two to find the step"),
+        contract("m5"),
+    ),
+    # --8<-- [end:m5]
+    # --8<-- [start:m6]
+    "m6": (
+        Step("the future map", ("tests/m6/test_future_map.py",),
+             "future ids are -1, -2, ...: id -1 - i is place i of the ring",
+             (Exercise("worker.py", "future_map", ("FutureMap.allocate", "FutureMap.resolve_", "FutureMap.store"),
+                       "hand out future ids -1, -2, ... around a ring, keep each step's sampled tokens at their "
+                       "places, and replace the future ids in a step's input ids by those tokens, on the "
+                       "device."),)),
+        Step("overlap, the same tokens as m5", ("tests/m6/test_vs_m5.py",),
+             "a step's tokens exist only on the device until it is processed; async_scheduling=False runs the "
+             "same code without the lag, to tell the two apart",
+             (Exercise("engine.py", "process", ("LLMEngine._process",),
+                       "take a launched step's tokens from the worker (undo the step if that raises), mark its "
+                       "blocks processed, put each token in place of its future id, and finish requests, "
+                       "dropping tokens of requests that finished while the step computed."),)),
+        contract("m6"),
+    ),
+    # --8<-- [end:m6]
+}
