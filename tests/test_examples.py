@@ -376,3 +376,15 @@ def test_batched_demos_help(script, flags):
     proc = run_script(f"examples/{script}", "--help")
     for flag in ("--model", "--prompt", "--temperature", "--seed", "--device", "--dtype", *flags):
         assert flag in proc.stdout, flag
+
+
+def test_serve_benchmark_reports_every_milestone(tiny_model_path, tmp_path):
+    out = run_script("examples/serve_benchmark.py", "--model", str(tiny_model_path), "--device", "cpu",
+                     "--milestones", "m1,m2", "--num-requests", "6", "--rate", "50", "--max-tokens", "3", "6",
+                     "--json", str(tmp_path / "serve.json")).stdout
+    result = json.loads((tmp_path / "serve.json").read_text())
+    assert [row["milestone"] for row in result["rows"]] == ["m1", "m2"], out
+    for row in result["rows"]:
+        assert row["output_tokens"] == sum(a["max_tokens"] for a in result["arrivals"])  # ignore_eos: all of them
+        assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
+        assert row["output_tok_per_s"] > 0

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client against a server on 127.0.0.1.
+
+The same greedy tokens as ``LLM.generate``; many clients at once; every bad input gets its
+status and the server serves the next request; a client that disconnects mid-stream has
+its KV blocks freed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+
+from milestones.serve import create_app, running
+
+SERVED = ["m1", "m2", "m4", "m6"]  # one at a time, batched, paged with a prefix cache, overlapped
+PROMPTS = ["The capital of France is", "Count: one, two, three,", "def fibonacci(n):", "Once upon a time"]
+LIMITS = dict(device="cpu", max_model_len=256)
+
+
+@contextmanager
+def serving(llm, max_requests: int = 64):
+    """Run the app on a free port of 127.0.0.1 in a thread; yield its base URL and the app."""
+    app = create_app(llm, "tiny", max_requests)
+    with running(app) as url:
+        yield url, app
+    assert not app.state.engine_loop.is_alive(), "the engine loop did not stop with the server"
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def greedy(mod, max_tokens=12):
+    return mod.SamplingParams(temperature=0, max_tokens=max_tokens)
+
+
+@pytest.fixture(scope="module", params=SERVED)
+def served(request, tiny_model_path):
+    """A server for one milestone, with what LLM.generate and LLM.chat give for the same prompts (computed first)."""
+    mod = importlib.import_module(f"milestones.{request.param}")
+    llm = mod.LLM(tiny_model_path, **LIMITS)
+    texts = [out.outputs[0] for out in llm.generate(PROMPTS, greedy(mod), use_tqdm=False)]
+    chat = llm.chat([{"role": "user", "content": "Hello there"}], greedy(mod), use_tqdm=False)[0]
+    with serving(llm) as (url, app):
+        yield url, app, texts, chat
+
+
+def test_completions_give_generates_tokens_whole_and_streamed(served):
+    url, _, texts, _ = served
+    api = client(url)
+    for prompt, expected in zip(PROMPTS, texts):
+        whole = api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == expected.finish_reason
+        assert whole.usage.completion_tokens == len(expected.token_ids)
+        assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+        chunks = list(api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_chat_gives_llm_chats_answer_whole_and_streamed(served):
+    url, _, _, chat = served
+    api = client(url)
+    messages = [{"role": "user", "content": "Hello there"}]
+    whole = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == chat.outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(chat.prompt_token_ids)
+    chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                              stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.outputs[0].text
+
+
+def test_many_clients_at_once_all_get_their_own_answer(served):
+    url, _, texts, _ = served
+    api = client(url)
+
+    def ask(index):
+        prompt = PROMPTS[index % len(PROMPTS)]
+        return index, api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(16), timeout=300))
+    for index, answer in answers:
+        assert answer.choices[0].text == texts[index % len(PROMPTS)].text
+
+
+def test_models_and_health(served):
+    url, _, _, _ = served
+    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("body, message", [
+    (b"{not json", "not valid JSON"),
+    (b'["a", "list"]', "JSON object"),
+    (b'{"prompt": "hi", "temperature": -1}', "temperature"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
+    (b'{"prompt": "hi", "top_p": 2}', "top_p"),
+    (b'{"prompt": "hi", "logprobs": 3}', "unsupported parameter(s) logprobs"),
+    (b'{"prompt": "hi", "n": 2}', "n must be 1"),
+    (b'{"prompt": "hi", "model": "gpt-4"}', "is not served here"),
+    (b'{"prompt": ""}', "empty"),
+    (b'{"prompt": [1, 2, 99999999]}', "token ids must be in"),
+    (b'{"prompt": {"a": 1}}', "prompt must be"),
+    (b'{"prompt": "' + b"word " * 400 + b'"}', "max_model_len"),
+])
+def test_bad_input_gets_400_with_the_engines_message_and_the_server_serves_on(served, body, message):
+    url, app, texts, _ = served
+    response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+    answer = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert answer.choices[0].text == texts[0].text
+    assert app.state.engine_loop.num_in_flight == 0
+
+
+def test_bad_chat_messages_get_400(served):
+    url, _, _, _ = served
+    for messages in ([], [{"role": "user"}], "hello"):
+        response = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages})
+        assert response.status_code == 400 and "messages must be" in response.json()["error"]["message"]
+
+
+def slowed(llm, seconds=0.02):
+    """The tiny model is fast: with each step slowed, a long request is surely still running when a test looks."""
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    llm.engine.step = slow_step  # the engine loop calls it through the instance
+    return llm
+
+
+def wait_until(condition, seconds=60):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def wait_until_idle(engine, seconds=60):
+    deadline = time.monotonic() + seconds
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine still has requests"
+        time.sleep(0.05)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(tiny_model_path):
+    from milestones import m4
+
+    llm = slowed(m4.LLM(tiny_model_path, num_kv_blocks=64, enable_prefix_caching=False, **LIMITS))
+    with serving(llm) as (url, app):
+        body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60):
+            wait_until(lambda: llm.engine.kv_usage()["blocks_in_use"] > 0)  # it is generating
+        # The connection is closed with most of its 200 tokens to go: the request must be aborted, not run on.
+        wait_until_idle(llm.engine, seconds=2)  # far less than its 200 slowed steps would take
+        llm.engine.check_integrity()
+        usage = llm.engine.kv_usage()
+        assert usage["blocks_in_use"] == 0 and usage["blocks_free"] == 64, usage
+        wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)
+
+
+def test_a_full_server_answers_503_then_serves_again(tiny_model_path):
+    from milestones import m2
+
+    llm = slowed(m2.LLM(tiny_model_path, **LIMITS))
+    with serving(llm, max_requests=1) as (url, app):
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60):  # headers: it was accepted
+            busy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+            assert busy.status_code == 503 and "retry later" in busy.json()["error"]["message"]
+        wait_until_idle(llm.engine)
+        assert client(url).completions.create(model="tiny", prompt="hi", max_tokens=3).choices[0].text is not None
+
+
+def test_shutting_down_ends_open_streams_and_stops_the_engine(tiny_model_path):
+    from milestones import m6
+
+    llm = slowed(m6.LLM(tiny_model_path, **LIMITS))
+    with serving(llm) as (url, app):
+        body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        response = httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60).__enter__()
+        wait_until(llm.engine.has_unfinished_requests)
+        stopping = time.monotonic()
+    # The request had some 4.8 s of slowed steps to go; the server gives open streams 1 s, then aborts them.
+    assert time.monotonic() - stopping < 4
+    # The server is down: the engine loop stopped, the request was aborted, and m6's worker was closed.
+    assert not app.state.engine_loop.is_alive()
+    assert not llm.engine.worker.thread.is_alive()
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    response.close()
