@@ -96,11 +96,16 @@ async def drive(url: str, arrivals: list[Arrival]) -> tuple[list[Timing], float]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
+    """p50, p90, p99 and the mean (NaN for all of them when there is no value, e.g. no gap between chunks)."""
     if not values:
-        return {}
+        return dict.fromkeys(("p50", "p90", "p99", "mean"), float("nan"))
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": statistics.median(ordered), "p90": pick(0.90), "p99": pick(0.99), "mean": statistics.fmean(ordered)}
+
+    def nearest_rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"p50": statistics.median(ordered), "p90": nearest_rank(0.90), "p99": nearest_rank(0.99),
+            "mean": statistics.fmean(ordered)}
 
 
 def summarise(milestone: str, timings: list[Timing], start: float) -> dict:

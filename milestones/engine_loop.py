@@ -2,11 +2,11 @@
 
 The HTTP server's handlers run on an asyncio event loop and must never wait for a
 forward pass, so they hand their work to the ``EngineLoop``'s thread through a queue:
-add this request, abort that one. Between two steps the thread takes those commands,
-then calls ``engine.step()``, which advances every running request together (that is
-where continuous batching shows), and sends each request's output to the client that
-waits for it. Only this thread touches the engine, so it works for every milestone,
-m1 included (whose scheduler runs one request at a time).
+add this request, abort that one. Between two steps the thread takes the commands
+waiting, then calls ``engine.step()``, which advances every running request together
+(that is where continuous batching shows), and sends each request's output to the
+client that waits for it. Only this thread touches the engine (and its tokenizer), so
+it works for every milestone, m1 included, whose scheduler runs one request at a time.
 """
 
 from __future__ import annotations
@@ -16,30 +16,36 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
+Prompt = str | list[int] | Callable[[], list[int]]  # a callable runs on the engine thread (it may use the tokenizer)
+
 
 class ServerBusy(Exception):
-    """Too many requests in flight: the client should retry later (HTTP 503)."""
+    """Too many requests in flight, or the engine loop has stopped: the client should retry later (HTTP 503)."""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Stream:
     """What a client waits on: the request's outputs as they come, then its end."""
 
     request_id: str
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or an exception that ends it
+    finished: bool = False  # the client has seen the request's last output
+    released: bool = False  # its place in the count is given back (once)
 
 
 class EngineLoop:
-    def __init__(self, llm, max_requests: int = 256) -> None:
+    def __init__(self, llm: Any, max_requests: int = 256) -> None:
         self.llm, self.engine = llm, llm.engine
         self.max_requests = max_requests
         self.streams: dict[str, tuple[Stream, asyncio.AbstractEventLoop]] = {}  # touched by the engine thread only
         self.commands: queue.Queue = queue.Queue()
-        self.num_in_flight = 0  # requests accepted and not yet finished; counted on the event loop's side
+        self.num_in_flight = 0  # requests accepted and not yet released; counted on the event loop's side
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -50,57 +56,63 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
-    async def submit(self, prompt: str | list[int], params) -> Stream:
+    async def submit(self, prompt: Prompt, params: Any) -> Stream:
         """Queue a request; raises ValueError (bad input, with the engine's message) or ServerBusy."""
+        if not self.is_alive():
+            raise ServerBusy("the engine loop has stopped: this server cannot take requests")
         if self.num_in_flight >= self.max_requests:
             raise ServerBusy(f"the server already has {self.num_in_flight} requests in flight "
                              f"(--max-requests {self.max_requests}): retry later")
-        stream = Stream(f"req-{next(self._ids)}")
-        accepted = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        stream, accepted = Stream(f"req-{next(self._ids)}"), loop.create_future()
         self.num_in_flight += 1
-        self.commands.put(("add", stream, asyncio.get_running_loop(), accepted, prompt, params))
+        self.commands.put(("add", stream, loop, accepted, prompt, params))
         try:
             await accepted  # the engine's add_request has validated the request
-        except BaseException as err:
-            self.num_in_flight -= 1
-            if not isinstance(err, ValueError):  # the client went away while it waited: do not run it for nobody
-                self.abort(stream.request_id)
+        except BaseException:
+            self.release(stream)  # refused, or cancelled at shutdown: never run it for nobody
             raise
         return stream
 
-    def finished(self, stream: Stream) -> None:
-        """The client has seen the request's end (or gone): free its place in the count."""
+    def release(self, stream: Stream) -> None:
+        """The client is done with the request, at its end or because it went away (then it is aborted). Idempotent."""
+        if stream.released:
+            return
+        stream.released = True
         self.num_in_flight -= 1
-
-    def abort(self, request_id: str) -> None:
-        """Stop a request (its client went away); its KV blocks are freed before the next step. Never blocks."""
-        self.commands.put(("abort", request_id))
+        if not stream.finished:
+            self.commands.put(("abort", stream.request_id))  # taken before the next step: its KV blocks are freed
 
     def stop(self) -> None:
-        """Abort whatever is still running, end every stream, and stop the thread."""
+        """Abort whatever is still running, end every stream, and stop the thread (blocks until it has)."""
         self._stopping.set()
         self.commands.put(("wake",))
         self.thread.join()
 
     # --8<-- [start:run]
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            idle = not self.engine.has_unfinished_requests()
-            try:
-                command = self.commands.get(timeout=0.5) if idle else self.commands.get_nowait()
-            except queue.Empty:
-                command = None
-            if command is not None:
-                self._apply(command)
-                continue  # take every waiting command before the next step
-            if not idle:
-                self._step()
-        for request_id in list(self.streams):
-            self._apply(("abort", request_id))
+        try:
+            while not self._stopping.is_set():
+                self._take_commands(wait=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as err:  # a bug in the engine: fail loudly to every client rather than leave them waiting
+            logger.exception("the engine loop failed")
+            self._end_everything(RuntimeError(f"the engine loop failed: {err!r}"))
+            raise
+        self._end_everything(None)
         close = getattr(self.llm, "close", None)  # m6: processes the steps in flight, stops its forward worker
         if close is not None:
             close()
 
+    def _take_commands(self, wait: bool) -> None:
+        """Apply the commands waiting now (the ones arriving meanwhile wait for the next round: steps go on)."""
+        try:
+            self._apply(self.commands.get(timeout=0.5) if wait else self.commands.get_nowait())
+        except queue.Empty:
+            return
+        for _ in range(self.commands.qsize()):
+            self._apply(self.commands.get_nowait())
     # --8<-- [end:run]
 
     def _apply(self, command: tuple) -> None:
@@ -108,17 +120,18 @@ class EngineLoop:
         if kind == "add":
             stream, loop, accepted, prompt, params = args
             try:
-                self.engine.add_request(prompt, params, request_id=stream.request_id)
-            except ValueError as err:  # bad input: the engine refused it before queueing anything
-                loop.call_soon_threadsafe(_settle, accepted, err)
+                token_ids = prompt() if callable(prompt) else prompt
+                self.engine.add_request(token_ids, params, request_id=stream.request_id)
+            except Exception as err:  # ValueError: bad input, refused before anything was queued
+                _call_soon(loop, _settle, accepted, err)
                 return
             self.streams[stream.request_id] = (stream, loop)
-            loop.call_soon_threadsafe(_settle, accepted, None)
+            _call_soon(loop, _settle, accepted, None)
         elif kind == "abort":
-            request_id = args[0]
-            output = self.engine.abort_request(request_id)
+            output = self.engine.abort_request(args[0])
             if output is not None:
                 self._deliver(output)
+        # "wake" only ends the wait for a command, so that the loop sees it must stop
 
     def _step(self) -> None:
         try:
@@ -127,22 +140,48 @@ class EngineLoop:
             logger.exception("a step failed; ending the requests in flight")
             for request_id, (stream, loop) in list(self.streams.items()):
                 self.engine.abort_request(request_id)
-                loop.call_soon_threadsafe(stream.outputs.put_nowait, RuntimeError(f"the engine failed: {err}"))
+                _call_soon(loop, stream.outputs.put_nowait, RuntimeError(f"the engine failed: {err}"))
                 del self.streams[request_id]
             return
         for output in outputs:
             self._deliver(output)
 
-    def _deliver(self, output) -> None:
+    def _deliver(self, output: Any) -> None:
         entry = self.streams.get(output.request_id)
         if entry is None:
             return
         stream, loop = entry
-        loop.call_soon_threadsafe(stream.outputs.put_nowait, output)
+        _call_soon(loop, stream.outputs.put_nowait, output)
         if output.finished:
             del self.streams[output.request_id]
+
+    def _end_everything(self, error: Exception | None) -> None:
+        """At the end of the loop: abort every request, end every stream, refuse every add still queued."""
+        for request_id, (stream, loop) in list(self.streams.items()):
+            if error is None:
+                output = self.engine.abort_request(request_id)
+                if output is not None:
+                    self._deliver(output)
+                    continue
+            _call_soon(loop, stream.outputs.put_nowait, error or RuntimeError("the server is shutting down"))
+        self.streams.clear()
+        while True:
+            try:
+                kind, *args = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                _call_soon(args[1], _settle, args[2], ServerBusy("the server is shutting down"))
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
     if not future.done():  # the client may have gone while it waited
         future.set_exception(error) if error is not None else future.set_result(None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: Any) -> None:
+    """``call_soon_threadsafe``, unless the event loop is already closed (the server is gone: nobody waits)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        pass

@@ -7,11 +7,14 @@ the engine's outputs to an ``Answer``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-# OpenAI's parameters this server honours; any other is refused, rather than silently ignored.
+# OpenAI's parameters this server honours (`user` is metadata, accepted and unused); any other is refused, rather
+# than silently ignored.
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "user", "ignore_eos"}
+          "ignore_eos", "user"}
 COMPLETION_KEYS = COMMON | {"prompt"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 
@@ -24,24 +27,28 @@ class BadRequest(ValueError):
 class Job:
     """One parsed request: what to generate and how to answer."""
 
-    prompt: str | list[int]
-    params: object  # the milestone's SamplingParams
+    prompt: str | list[int] | Callable[[], list[int]]  # a chat's is templated on the engine thread
+    params: Any  # the milestone's SamplingParams
     stream: bool
     include_usage: bool
     chat: bool
 
 
-def parse_request(body: object, chat: bool, model_name: str, tokenizer, sampling_params: type) -> Job:
+def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sampling_params: type) -> Job:
     """A request body checked and turned into a Job; BadRequest (HTTP 400) says what to change."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     unknown = sorted(set(body) - (CHAT_KEYS if chat else COMPLETION_KEYS))
     if unknown:
         raise BadRequest(f"unsupported parameter(s) {', '.join(unknown)}: remove them")
+    body = {key: value for key, value in body.items() if value is not None}  # null means "the default", as in OpenAI
     if body.get("model", model_name) != model_name:
         raise BadRequest(f"model {body['model']!r} is not served here; this server serves {model_name!r}")
     if body.get("n", 1) != 1:
         raise BadRequest("n must be 1: send one request per completion")
+    stream, options = body.get("stream", False), body.get("stream_options", {})
+    if not isinstance(stream, bool) or not isinstance(options, dict):
+        raise BadRequest("stream must be true or false, and stream_options an object such as {\"include_usage\": true}")
     if chat:
         prompt = chat_prompt(tokenizer, body.get("messages"))
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -52,15 +59,13 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer, sampling
         if not isinstance(prompt, (str, list)):
             raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
         max_tokens = body.get("max_tokens", 16)
-    settings = {key: body[key] for key in ("temperature", "top_p", "top_k", "seed", "ignore_eos") if key in body}
-    if body.get("stop") is not None:
-        settings["stop"] = body["stop"]
+    sampling = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "stop")
+    settings = {key: body[key] for key in sampling if key in body}
     try:
         params = sampling_params(max_tokens=max_tokens, **settings)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
-    options = body.get("stream_options") or {}
-    return Job(prompt, params, bool(body.get("stream", False)), bool(options.get("include_usage")), chat)
+    return Job(prompt, params, stream, bool(options.get("include_usage")), chat)
 
 
 class Answer:
@@ -74,7 +79,7 @@ class Answer:
         self.prompt_tokens = self.completion_tokens = 0
         self.sent_role = False
 
-    def update(self, output) -> dict | None:
+    def update(self, output: Any) -> dict | None:
         """Take the engine's latest output; the stream chunk it adds (None if it adds nothing)."""
         completion = output.outputs[0]
         delta, self.text = completion.text[len(self.text):], completion.text
@@ -113,14 +118,22 @@ class Answer:
                 "choices": [] if choice is None else [choice]}
 
 
-def chat_prompt(tokenizer, messages: object) -> list[int]:
-    """The conversation through the model's chat template, as token ids, ready for the assistant's answer."""
+def chat_prompt(tokenizer: Any, messages: object) -> Callable[[], list[int]]:
+    """The conversation through the model's chat template, as token ids ready for the assistant's answer.
+
+    The shape is checked now; the template and the tokenizer run later, on the engine's
+    thread, the only one that uses the tokenizer (its errors are still a 400).
+    """
     if not isinstance(messages, list) or not messages or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
         raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects")
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as err:  # the template's own checks (roles that must alternate, ...)
-        raise BadRequest(f"the chat template refused the conversation: {err}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+
+    def token_ids() -> list[int]:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:  # the template's own checks (roles that must alternate, ...)
+            raise BadRequest(f"the chat template refused the conversation: {err}") from None
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    return token_ids

@@ -16,36 +16,38 @@ mid-stream has its request aborted and its KV blocks freed before the next step.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from milestones import MILESTONES
-from milestones.engine_loop import EngineLoop, ServerBusy
+from milestones.engine_loop import EngineLoop, ServerBusy, Stream
 from milestones.openai_api import Answer, parse_request
 
 
-def create_app(llm, model_name: str, max_requests: int = 256) -> FastAPI:
-    """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``."""
-    sampling_params = importlib.import_module(type(llm).__module__.rsplit(".", 1)[0]).SamplingParams
+def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
+    """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops."""
+    sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
     engine_loop = EngineLoop(llm, max_requests)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine_loop.start()
         yield
-        engine_loop.stop()  # aborts what is still running: every open stream gets its end
+        await asyncio.to_thread(engine_loop.stop)  # aborts what is still running; the event loop stays free
 
     app = FastAPI(title="milestones", lifespan=lifespan)
     app.state.engine_loop = engine_loop
 
-    async def serve(request: Request, chat: bool):
+    async def serve(request: Request, chat: bool) -> Response:
         try:
             job = parse_request(await request.json(), chat, model_name, llm.tokenizer, sampling_params)
             stream = await engine_loop.submit(job.prompt, job.params)
@@ -55,65 +57,100 @@ def create_app(llm, model_name: str, max_requests: int = 256) -> FastAPI:
             return error(400, str(err))
         except ServerBusy as err:
             return error(503, str(err))
+        except Exception as err:  # the engine failed to take it: not the client's fault
+            return error(500, f"the engine could not take the request: {err!r}")
         answer = Answer(job, stream.request_id, model_name)
         if job.stream:
-            return StreamingResponse(events(stream, answer), media_type="text/event-stream")
-        try:
-            async for output in outputs(stream):
-                answer.update(output)
+            return ReleasingStreamingResponse(events(stream, answer), lambda: engine_loop.release(stream),
+                                              media_type="text/event-stream")
+        collect = asyncio.ensure_future(collect_answer(stream, answer))
+        gone = asyncio.ensure_future(disconnected(request))
+        try:  # neither uvicorn nor Starlette cancels a handler whose client has gone: watch for it here
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():
+                return Response(status_code=499)  # nobody reads it; the request is aborted below
+            collect.result()
         except RuntimeError as err:
             return error(500, str(err))
         finally:
-            if not answer.finished:
-                engine_loop.abort(stream.request_id)
-            engine_loop.finished(stream)
+            collect.cancel()
+            gone.cancel()
+            engine_loop.release(stream)  # aborts it if it did not finish
         return JSONResponse(answer.whole())
 
-    async def outputs(stream):
-        while True:
-            output = await stream.outputs.get()
-            if isinstance(output, Exception):
-                raise output
-            yield output
-            if output.finished:
-                return
+    async def collect_answer(stream: Stream, answer: Answer) -> None:
+        async for output in outputs(stream):
+            answer.update(output)
 
-    async def events(stream, answer):
+    async def events(stream: Stream, answer: Answer) -> AsyncIterator[str]:
         try:
             async for output in outputs(stream):
                 delta = answer.update(output)
                 if delta is not None:
                     yield f"data: {json.dumps(delta)}\n\n"
-            if job_usage := answer.usage_chunk():
-                yield f"data: {json.dumps(job_usage)}\n\n"
+            if usage_chunk := answer.usage_chunk():
+                yield f"data: {json.dumps(usage_chunk)}\n\n"
             yield "data: [DONE]\n\n"
-        except RuntimeError as err:
+        except RuntimeError as err:  # the headers (200) are sent: the failure goes in the stream, as OpenAI does
             yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
-        finally:  # also when the client disconnects: the stream is closed, and the request must not run on
-            if not answer.finished:
-                engine_loop.abort(stream.request_id)
-            engine_loop.finished(stream)
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request) -> Response:
         return await serve(request, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def chat_completions(request: Request) -> Response:
         return await serve(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "milestones",
                                             "created": 0, "max_model_len": llm.engine.config.max_model_len}]}
 
     @app.get("/health")
-    async def health():
+    async def health() -> Response:
         if not engine_loop.is_alive():
             return error(503, "the engine loop has stopped")
-        return {"status": "ok", "requests_in_flight": engine_loop.num_in_flight}
+        return JSONResponse({"status": "ok", "requests_in_flight": engine_loop.num_in_flight})
 
     return app
+
+
+async def outputs(stream: Stream) -> AsyncIterator[Any]:
+    """The request's outputs as the engine thread sends them, up to its last; an exception from it is raised."""
+    while True:
+        output = await stream.outputs.get()
+        if isinstance(output, Exception):
+            raise output
+        stream.finished = output.finished
+        yield output
+        if output.finished:
+            return
+
+
+async def disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (the body is read already: nothing else can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ReleasingStreamingResponse(StreamingResponse):
+    """A streamed answer that releases its request however the stream ends: finished, failed or cut by the client.
+
+    Starlette does not close the body's generator when a client disconnects mid-send, so
+    the generator's own ``finally`` could wait for garbage collection; this cannot.
+    """
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.release()
 
 
 def error(status: int, message: str) -> JSONResponse:

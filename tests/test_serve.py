@@ -7,10 +7,10 @@ its KV blocks freed.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import openai
@@ -23,7 +23,7 @@ PROMPTS = ["The capital of France is", "Count: one, two, three,", "def fibonacci
 LIMITS = dict(device="cpu", max_model_len=256)
 
 
-@contextmanager
+@contextlib.contextmanager
 def serving(llm, max_requests: int = 64):
     """Run the app on a free port of 127.0.0.1 in a thread; yield its base URL and the app."""
     app = create_app(llm, "tiny", max_requests)
@@ -113,6 +113,8 @@ def test_models_and_health(served):
     (b'{"prompt": [1, 2, 99999999]}', "token ids must be in"),
     (b'{"prompt": {"a": 1}}', "prompt must be"),
     (b'{"prompt": "' + b"word " * 400 + b'"}', "max_model_len"),
+    (b'{"prompt": "hi", "stream": "false"}', "stream must be true or false"),
+    (b'{"prompt": "hi", "stream_options": true}', "stream_options an object"),
 ])
 def test_bad_input_gets_400_with_the_engines_message_and_the_server_serves_on(served, body, message):
     url, app, texts, _ = served
@@ -122,6 +124,13 @@ def test_bad_input_gets_400_with_the_engines_message_and_the_server_serves_on(se
     answer = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
     assert answer.choices[0].text == texts[0].text
     assert app.state.engine_loop.num_in_flight == 0
+
+
+def test_null_parameters_mean_the_defaults(served):
+    url, _, texts, _ = served
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "top_p": None, "seed": None, "stop": None}
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == texts[0].text
 
 
 def test_bad_chat_messages_get_400(served):
@@ -151,10 +160,7 @@ def wait_until(condition, seconds=60):
 
 
 def wait_until_idle(engine, seconds=60):
-    deadline = time.monotonic() + seconds
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the engine still has requests"
-        time.sleep(0.05)
+    wait_until(lambda: not engine.has_unfinished_requests(), seconds)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(tiny_model_path):
@@ -183,23 +189,62 @@ def test_a_full_server_answers_503_then_serves_again(tiny_model_path):
             busy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
             assert busy.status_code == 503 and "retry later" in busy.json()["error"]["message"]
         wait_until_idle(llm.engine)
-        assert client(url).completions.create(model="tiny", prompt="hi", max_tokens=3).choices[0].text is not None
+        wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)
+        assert client(url).completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
 
 
-def test_shutting_down_ends_open_streams_and_stops_the_engine(tiny_model_path):
+def test_a_non_streaming_client_that_goes_away_has_its_request_aborted(tiny_model_path):
+    from milestones import m3
+
+    llm = slowed(m3.LLM(tiny_model_path, **LIMITS))
+    with serving(llm) as (url, app):
+        body = {"prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.TimeoutException):  # the client gives up long before its 200 slowed steps
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        wait_until_idle(llm.engine, seconds=2)
+        wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)
+        llm.engine.check_integrity()
+        assert llm.engine.kv_usage()["blocks_in_use"] == 0
+
+
+def test_a_failing_step_gives_500_and_the_server_serves_on(tiny_model_path):
+    from milestones import m4
+
+    llm = m4.LLM(tiny_model_path, **LIMITS)
+    step, failures = llm.engine.step, [RuntimeError("injected failure")] * 2
+
+    def failing_step():
+        if failures:
+            raise failures.pop()
+        return step()
+
+    llm.engine.step = failing_step
+    with serving(llm) as (url, app):
+        api = client(url)
+        whole = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 8})
+        assert whole.status_code == 500 and "injected failure" in whole.json()["error"]["message"]
+        with pytest.raises(openai.APIError, match="injected failure"):  # streamed: an error event after the 200
+            list(api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, stream=True))
+        assert api.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8).usage.completion_tokens == 8
+        wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)
+        llm.engine.check_integrity()
+        assert llm.engine.kv_usage()["blocks_in_use"] == 0
+
+
+def test_shutting_down_aborts_open_streams_and_stops_the_engine(tiny_model_path):
     from milestones import m6
 
-    llm = slowed(m6.LLM(tiny_model_path, **LIMITS))
-    with serving(llm) as (url, app):
-        body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
-        response = httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60).__enter__()
-        wait_until(llm.engine.has_unfinished_requests)
-        stopping = time.monotonic()
-    # The request had some 4.8 s of slowed steps to go; the server gives open streams 1 s, then aborts them.
-    assert time.monotonic() - stopping < 4
+    llm = slowed(m6.LLM(tiny_model_path, **LIMITS), seconds=0.05)
+    with contextlib.ExitStack() as open_stream:
+        with serving(llm) as (url, app):
+            body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+            open_stream.enter_context(httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60))
+            wait_until(llm.engine.has_unfinished_requests)
+            stopping = time.monotonic()
+        # The request had some 12 s of slowed steps to go; the server gives open streams 1 s, then aborts them.
+        assert time.monotonic() - stopping < 6
     # The server is down: the engine loop stopped, the request was aborted, and m6's worker was closed.
     assert not app.state.engine_loop.is_alive()
     assert not llm.engine.worker.thread.is_alive()
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
-    response.close()
