@@ -388,3 +388,17 @@ def test_serve_benchmark_reports_every_milestone(tiny_model_path, tmp_path):
         assert row["output_tokens"] == sum(a["max_tokens"] for a in result["arrivals"])  # ignore_eos: all of them
         assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p99"] <= row["e2e_s"]["p99"]
         assert row["output_tok_per_s"] > 0
+
+
+def test_a_benchmark_row_can_run_in_its_own_dtype(tiny_model_path, tmp_path):
+    rows = import_bench("rows")
+    assert rows.MilestoneRow.parse("m1@bf16", ["m1"]).engine_options == {"dtype": "bfloat16"}
+    with pytest.raises(ValueError, match="sets one option twice"):
+        rows.MilestoneRow.parse("m1@bf16+fp32", ["m1"])
+    run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+               "--engines", "m1,m1@bf16", "--workloads", "decode", "--runs", "1", "--decode-tokens", "4",
+               "--out", str(tmp_path / "b.json"))
+    results = json.loads((tmp_path / "b.json").read_text())["results"]
+    assert [r["engine_config"]["dtype"] for r in results] == ["torch.float32", "torch.bfloat16"]
+    fp32, bf16 = (r["bandwidth_fraction"] / r["output_tokens_per_s"] for r in results)
+    assert bf16 == pytest.approx(fp32 / 2)  # half the bytes per weight

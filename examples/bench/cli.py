@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += hf_rows.run_transformers(setup)
     report.add_ratios_to_hf(rows, args.hf_batch_size)
     report.token_agreement(rows)
-    report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth)
+    report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth, setup.dtype)
     load = report.load_average()
     if load is not None:
         results["machine"]["load_average_at_end"] = load

@@ -61,7 +61,8 @@ def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
     try:
         mod = importlib.import_module(f"milestones.{row.milestone}")
         kwargs = engine_kwargs(mod, row, setup)
-        new_llm = functools.partial(mod.LLM, args.model, device=setup.device, dtype=setup.dtype, **kwargs)
+        dtype = kwargs.pop("dtype", setup.dtype)  # a row's own dtype (m1@bf16) beats --dtype
+        new_llm = functools.partial(mod.LLM, args.model, device=setup.device, dtype=dtype, **kwargs)
         start = time.perf_counter()
         llm = new_llm()
         load_s = time.perf_counter() - start

@@ -55,17 +55,24 @@ def memory_bandwidth(device: torch.device, num_bytes: int = 512 * 2**20, repeats
     return num_bytes / best
 
 
-def add_bandwidth_fractions(rows: list[dict], weight_bytes_per_token: int, bandwidth: float) -> None:
-    """Each decode row's weight bytes read per second over the measured bandwidth (batch 1 only: one token a step)."""
+def add_bandwidth_fractions(rows: list[dict], weight_bytes_per_token: int, bandwidth: float,
+                            dtype: torch.dtype) -> None:
+    """Each decode row's weight bytes read per second over the measured bandwidth (batch 1 only: one token a step).
+
+    ``weight_bytes_per_token`` is in ``dtype``; a row in another dtype (``m1@bf16``) reads its own number of bytes.
+    """
     for row in rows:
         if row["workload"] == "decode" and row["status"] == "ok":
-            row["bandwidth_fraction"] = row["output_tokens_per_s"] * weight_bytes_per_token / bandwidth
+            row_dtype = (row.get("engine_config") or {}).get("dtype", str(dtype)).replace("torch.", "")
+            scale = torch.empty(0, dtype=getattr(torch, row_dtype)).element_size() / dtype.itemsize
+            row["bandwidth_fraction"] = row["output_tokens_per_s"] * weight_bytes_per_token * scale / bandwidth
 
 
 def print_bandwidth(rows: list[dict], weight_bytes_per_token: int, bandwidth: float) -> None:
     fractions = [f"{r['engine']} {r['bandwidth_fraction']:.0%}" for r in rows if "bandwidth_fraction" in r]
     if fractions:
-        print(f"batch-1 decode reads {weight_bytes_per_token / 1e6:.0f} MB of weights per token; this machine sums "
+        print(f"batch-1 decode reads {weight_bytes_per_token / 1e6:.0f} MB of weights per token (--dtype; a row "
+              "in another dtype scales by its element size); this machine sums "
               f"memory at {bandwidth / 1e9:.1f} GB/s; share of that ceiling reached: {', '.join(fractions)}")
 
 

@@ -24,6 +24,8 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-onednn": ("linear_backend", "onednn"),
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
     "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap
+    "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
+    "fp32": ("dtype", "float32"),
 }
 
 
