@@ -4,44 +4,55 @@
   step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
   op ``milestones::decode_attention``; "torch" keeps the lesson's own attention.
 * ``linear_backend`` (every milestone): linear layers whose weights are packed once
-  for oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
+  for oneDNN (``packed_linear.py``), or in bfloat16 on a CPU without bfloat16
+  instructions a compiled kernel (``bf16_linear.cpp``); "torch" keeps plain ``F.linear``.
 
-Both apply on a CPU in float32 only; "auto" (the default) takes them where they apply
-and work, and the plain-torch reference otherwise. The milestones' own code is the
-reference: every fast path is checked against it (tests/kernels).
+Both apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them where
+they apply and work, and the plain-torch reference otherwise. The milestones' own
+code is the reference: every fast path is checked against it (tests/kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .bf16_linear import Bf16Linear
 from .decode_attention import DecodeKernel, decode_kernel_for, load_decode_kernel
-from .packed_linear import PackedLinear, onednn_available, pack_linear_layers_for
+from .linear_layers import pack_linear_layers_for
+from .packed_linear import PackedLinear, onednn_available
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
-LINEAR_BACKENDS = ("auto", "torch", "onednn")  # auto: weights packed for oneDNN on a CPU in float32, else torch
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: oneDNN, or in bfloat16 without bf16 instructions cpp
 
 __all__ = [
-    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "DecodeKernel", "PackedLinear", "check_attention_backend",
+    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "Bf16Linear", "DecodeKernel", "PackedLinear", "check_attention_backend",
     "check_linear_backend", "decode_kernel_for", "load_decode_kernel", "onednn_available", "pack_linear_layers_for",
 ]
+
+CPU_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse an unknown name, or "cpp" where the kernel cannot run."""
-    _check_backend("attention_backend", backend, ATTENTION_BACKENDS, "cpp", device, dtype)
+    _check_name("attention_backend", backend, ATTENTION_BACKENDS)
+    if backend == "cpp" and (device.type != "cpu" or dtype not in CPU_DTYPES):
+        raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 or bfloat16 only "
+                         f"(got {device.type}, {dtype}); use 'torch' or 'auto'")
 
 
 def check_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse an unknown name, or "onednn" where packed weights cannot run."""
-    _check_backend("linear_backend", backend, LINEAR_BACKENDS, "onednn", device, dtype)
+    """Refuse an unknown name, "onednn" where packed weights cannot run, or "cpp" outside CPU bfloat16."""
+    _check_name("linear_backend", backend, LINEAR_BACKENDS)
+    if backend == "onednn" and (device.type != "cpu" or dtype != torch.float32) and not (
+        device.type == "cpu" and onednn_available(dtype)
+    ):
+        raise ValueError(f"linear_backend='onednn' runs on the CPU in float32, or in bfloat16 on a CPU with "
+                         f"bfloat16 instructions (got {device.type}, {dtype}); use 'cpp', 'torch' or 'auto'")
+    if backend == "cpp" and (device.type != "cpu" or dtype != torch.bfloat16):
+        raise ValueError(f"linear_backend='cpp' is the bfloat16 kernel for the CPU (got {device.type}, {dtype}); "
+                         "use 'onednn' for float32, or 'torch' or 'auto'")
 
 
-def _check_backend(
-    option: str, backend: str, choices: tuple[str, ...], cpu_only: str, device: torch.device, dtype: torch.dtype
-) -> None:
+def _check_name(option: str, backend: str, choices: tuple[str, ...]) -> None:
     if backend not in choices:
         raise ValueError(f"{option} must be one of {choices}, got {backend!r}")
-    if backend == cpu_only and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"{option}={cpu_only!r} runs on the CPU in float32 only (got {device.type}, {dtype}); "
-                         "use 'torch' or 'auto'")

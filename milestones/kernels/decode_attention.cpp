@@ -8,7 +8,8 @@
 // tens of microseconds of dispatch, and its matrices (3 query rows against a
 // kv head) are too thin for BLAS to stream the cache at memory speed. Here one
 // call does every (request, kv head) pair: read the keys once for the scores,
-// softmax them, read the values once for the weighted sum, in float32.
+// softmax them, read the values once for the weighted sum, in float32. A cache in
+// bfloat16 is read as it is (half the bytes) and widened as it is loaded.
 //
 // The cache is addressed through a block table, so the same kernel serves m2
 // (one block per request: its whole slot) and m3 (blocks of block_size tokens
@@ -24,16 +25,17 @@
 // --8<-- [start:kernel]
 // q: [n, heads, dim]; k, v: [num_blocks, kv_heads, block_size, dim] (any strides, dim contiguous);
 // block_tables: [n, max_blocks] (int64); context_lens: [n] (int64). Returns [n, heads, dim].
-template <int64_t FIXED_DIM>  // 0: the head size is only known at run time
+// T is float or c10::BFloat16: what is stored; every sum is in float.
+template <typename T, int64_t FIXED_DIM>  // FIXED_DIM 0: the head size is only known at run time
 static void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, float scale,
                    torch::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), dim = FIXED_DIM ? FIXED_DIM : q.size(2);
   const int64_t kv_heads = k.size(1), block_size = k.size(2), group = heads / kv_heads;
-  const float* q_data = q.data_ptr<float>();
-  const float* k_data = k.data_ptr<float>();
-  const float* v_data = v.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lengths = context_lens.data_ptr<int64_t>();
   const int64_t table_width = block_tables.size(1);
@@ -42,20 +44,22 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::
 
   // One task per (request, kv head): its `group` query heads share the keys and values read.
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t first_task, int64_t end_task) {
-    std::vector<float> scores;  // [group, context_len]
+    std::vector<float> scores;                 // [group, context_len]
+    std::vector<float> queries(group * dim);   // the group's query heads, widened to float
+    std::vector<float> outputs(group * dim);   // their weighted sums, in float
     for (int64_t task = first_task; task < end_task; ++task) {
       const int64_t i = task / kv_heads, h = task % kv_heads, len = lengths[i];
       const int64_t* table = tables + i * table_width;
-      const float* queries = q_data + (i * heads + h * group) * dim;
-      float* outputs = out_data + (i * heads + h * group) * dim;
+      const T* query_in = q_data + (i * heads + h * group) * dim;
+      for (int64_t d = 0; d < group * dim; ++d) queries[d] = static_cast<float>(query_in[d]);
       scores.resize(group * len);
 
       for (int64_t t = 0; t < len; ++t) {  // scores = q . k for every cached position
-        const float* key = k_data + table[t / block_size] * k_block + h * k_head + (t % block_size) * k_pos;
+        const T* key = k_data + table[t / block_size] * k_block + h * k_head + (t % block_size) * k_pos;
         for (int64_t g = 0; g < group; ++g) {
-          const float* query = queries + g * dim;
+          const float* query = queries.data() + g * dim;
           float dot = 0.f;
-          for (int64_t d = 0; d < dim; ++d) dot += query[d] * key[d];
+          for (int64_t d = 0; d < dim; ++d) dot += query[d] * static_cast<float>(key[d]);
           scores[g * len + t] = dot * scale;
         }
       }
@@ -66,25 +70,39 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k, const torch::
         for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - top));
         for (int64_t t = 0; t < len; ++t) s[t] /= sum;
       }
-      std::fill(outputs, outputs + group * dim, 0.f);
+      std::fill(outputs.begin(), outputs.end(), 0.f);
       for (int64_t t = 0; t < len; ++t) {  // out = sum of p * v
-        const float* value = v_data + table[t / block_size] * v_block + h * v_head + (t % block_size) * v_pos;
+        const T* value = v_data + table[t / block_size] * v_block + h * v_head + (t % block_size) * v_pos;
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
-          float* output = outputs + g * dim;
-          for (int64_t d = 0; d < dim; ++d) output[d] += p * value[d];
+          float* output = outputs.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) output[d] += p * static_cast<float>(value[d]);
         }
       }
+      T* output_out = out_data + (i * heads + h * group) * dim;
+      for (int64_t d = 0; d < group * dim; ++d) output_out[d] = static_cast<T>(outputs[d]);
     }
   });
 }
 // --8<-- [end:kernel]
 
+template <typename T>
+static void attend_any_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& block_tables, const torch::Tensor& context_lens, float scale,
+                           torch::Tensor& out) {
+  switch (q.size(2)) {  // the common head sizes get a loop the compiler can unroll
+    case 64: attend<T, 64>(q, k, v, block_tables, context_lens, scale, out); break;
+    case 128: attend<T, 128>(q, k, v, block_tables, context_lens, scale, out); break;
+    default: attend<T, 0>(q, k, v, block_tables, context_lens, scale, out);
+  }
+}
+
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_tables,
                                torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention runs on the CPU");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "decode_attention takes float32 tensors");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "decode_attention takes float32 or bfloat16 tensors, q, k and v in the same dtype");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(),
               "q: [n, heads, dim]; k, v: [blocks, kv_heads, block_size, dim]");
   TORCH_CHECK(k.size(1) > 0 && k.size(3) == q.size(2) && q.size(1) % k.size(1) == 0,
@@ -107,11 +125,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     TORCH_CHECK(tables[i] >= 0 && tables[i] < k.size(0), "a block table names a block outside the cache");
   auto out = torch::empty_like(q);
   const float s = static_cast<float>(scale);
-  switch (q.size(2)) {  // the common head sizes get a loop the compiler can unroll
-    case 64: attend<64>(q, k, v, block_tables, context_lens, s, out); break;
-    case 128: attend<128>(q, k, v, block_tables, context_lens, s, out); break;
-    default: attend<0>(q, k, v, block_tables, context_lens, s, out);
-  }
+  if (q.scalar_type() == at::kBFloat16)
+    attend_any_dim<c10::BFloat16>(q, k, v, block_tables, context_lens, s, out);
+  else
+    attend_any_dim<float>(q, k, v, block_tables, context_lens, s, out);
   return out;
 }
 

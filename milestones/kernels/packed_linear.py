@@ -17,8 +17,6 @@ which the compiled code then calls as it is.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import nn
 
@@ -36,18 +34,20 @@ def _packed_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: tor
 
 # --8<-- [start:packed_linear]
 class PackedLinear(nn.Module):
-    """``nn.Linear``'s forward over a weight packed for oneDNN; the original weight is not kept."""
+    """``nn.Linear``'s forward over a weight packed for oneDNN; ``logits=True`` returns float32 like a head."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, logits: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.in_features, self.out_features, self.logits = linear.in_features, linear.out_features, logits
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # traced: the custom op; eager: the op itself, without its dispatch
-            return packed_linear(x, self.packed_weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            out = packed_linear(x, self.packed_weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return out.float() if self.logits else out
 
 
 def pack_linear_layers(model: nn.Module) -> PackedLinear:
@@ -60,32 +60,16 @@ def pack_linear_layers(model: nn.Module) -> PackedLinear:
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))
-    return PackedLinear(model.lm_head)
+    return PackedLinear(model.lm_head, logits=True)
 # --8<-- [end:packed_linear]
 
 
-def onednn_available() -> bool:
-    """Whether this torch build carries oneDNN's packed linear ops (x86 builds do)."""
-    ops = ("_reorder_linear_weight", "_linear_pointwise")
-    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build carries oneDNN's packed linear ops (x86 builds do), and this CPU runs them in ``dtype``.
 
-
-def pack_linear_layers_for(
-    backend: str, model: nn.Module, device: torch.device, dtype: torch.dtype
-) -> PackedLinear | None:
-    """Pack the model's linear layers if this (already checked) ``linear_backend`` asks for it; return the packed head.
-
-    None means the model was left as it is. ``"auto"`` packs on a CPU in float32
-    when oneDNN is there and keeps plain ``F.linear`` otherwise, with a warning if
-    only oneDNN was missing; ``"onednn"`` makes a missing oneDNN an error.
+    oneDNN packs bfloat16 weights only on a CPU with bfloat16 instructions (AVX-512 BF16, AMX or AVX-NE-CONVERT).
     """
-    if backend == "torch" or device.type != "cpu" or dtype != torch.float32:
-        return None  # the engine's config already refused "onednn" for anything but CPU float32
-    if onednn_available():
-        return pack_linear_layers(model)
-    if backend == "onednn":
-        raise RuntimeError(
-            "this torch build lacks oneDNN's packed linear ops (torch.ops.mkldnn); use linear_backend='torch'"
-        )
-    warnings.warn("this torch build lacks oneDNN's packed linear ops; linear layers use plain F.linear", stacklevel=2)
-    return None
+    ops = ("_reorder_linear_weight", "_linear_pointwise")
+    if not (torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())

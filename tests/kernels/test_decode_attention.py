@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import milestones.kernels.decode_attention as kernel_build
+import milestones.kernels.build as kernel_build
+import milestones.kernels.decode_attention as decode_attention_build
 from milestones import m2
 from milestones.m2.attention import decode_attention
 from tests.chain import assert_same_outputs, mixed_workload, run
@@ -23,7 +24,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def kernel():
-    return kernel_build.load_decode_kernel()
+    return decode_attention_build.load_decode_kernel()
 
 
 @needs_compiler
@@ -44,11 +45,29 @@ def test_kernel_equals_torch_decode_on_ragged_slots(kernel, heads, kv_heads, dim
 
 
 @needs_compiler
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 24)])
+def test_kernel_in_bfloat16_reads_the_cache_as_stored_and_sums_in_float32(kernel, heads, kv_heads, dim):
+    """bfloat16 in, bfloat16 out, float32 inside: the float32 result on the same numbers, rounded once."""
+    torch.manual_seed(dim)
+    k_cache, v_cache = (torch.randn(4, kv_heads, 200, dim).bfloat16() for _ in range(2))
+    q, lengths = torch.randn(3, heads, dim).bfloat16(), [1, 200, 77]
+    out = kernel(q, k_cache, v_cache, torch.tensor([[2], [0], [3]]), torch.tensor(lengths), dim**-0.5)
+    assert out.dtype == torch.bfloat16
+    for i, (slot, length) in enumerate(zip([2, 0, 3], lengths)):
+        keys, values = k_cache[slot, :, :length].float(), v_cache[slot, :, :length].float()
+        expected = decode_attention(q[i : i + 1].float(), keys, values).bfloat16()
+        # float32 sums in another order can round to the neighbouring bfloat16: at most 2**-7 apart, relative
+        torch.testing.assert_close(out[i : i + 1], expected, atol=2**-9, rtol=2**-7)
+
+
+@needs_compiler
 def test_kernel_refuses_bad_input_with_a_clear_error(kernel):
     k = v = torch.zeros(2, 1, 8, 16)
     q, table, lengths = torch.zeros(1, 2, 16), torch.tensor([[1]]), torch.tensor([8])
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         kernel(q.double(), k, v, table, lengths, 1.0)
+    with pytest.raises(RuntimeError, match="in the same dtype"):
+        kernel(q.bfloat16(), k, v, table, lengths, 1.0)
     with pytest.raises(RuntimeError, match="no more than its block table covers"):
         kernel(q, k, v, table, torch.tensor([9]), 1.0)
     with pytest.raises(RuntimeError, match="outside the cache"):
@@ -90,10 +109,10 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, t
     def broken():
         raise OSError("no C++ compiler found")
 
-    monkeypatch.setattr(kernel_build, "load_decode_kernel", broken)
-    assert kernel_build.decode_kernel_for("torch", CPU, torch.float32) is None
+    monkeypatch.setattr(decode_attention_build, "load_decode_kernel", broken)
+    assert decode_attention_build.decode_kernel_for("torch", CPU, torch.float32) is None
     with pytest.raises(RuntimeError, match="attention_backend='torch'"):
-        kernel_build.decode_kernel_for("cpp", CPU, torch.float32)
+        decode_attention_build.decode_kernel_for("cpp", CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain-torch attention"):
         llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, attention_backend="auto")
     assert llm.engine.runner.decode_kernel is None
@@ -104,8 +123,8 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, t
 def test_backend_option_is_checked(tiny_model_path):
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         m2.LLM(tiny_model_path, device="cpu", attention_backend="flash")
-    with pytest.raises(ValueError, match="CPU in float32 only"):
-        m2.LLM(tiny_model_path, device="cpu", dtype="bfloat16", attention_backend="cpp")
+    with pytest.raises(ValueError, match="CPU in float32 or bfloat16 only"):
+        m2.LLM(tiny_model_path, device="cpu", dtype="float16", attention_backend="cpp")
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
@@ -150,14 +169,18 @@ def test_the_build_waits_on_the_lock_torch_takes(monkeypatch, tmp_path):
         return "the library"
 
     monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
-    assert kernel_build._build.__wrapped__() == "the library"  # __wrapped__: past the per-process cache
+
+    def build():  # __wrapped__: past the per-process cache
+        return kernel_build.compile_library.__wrapped__(decode_attention_build.SOURCE, decode_attention_build.FLAGS)
+
+    assert build() == "the library"
     lock = Path(build_dirs[0]) / "lock"
     assert lock.parent.parent == tmp_path
     lock.touch()  # left by a build that was killed long ago
     long_ago = time.time() - kernel_build.STALE_LOCK_SECONDS - 1
     os.utime(lock, (long_ago, long_ago))
     with pytest.warns(UserWarning, match="did not finish"):
-        assert kernel_build._build.__wrapped__() == "the library"
+        assert build() == "the library"
 
 
 def test_a_stale_lock_replaced_by_a_new_build_is_left_alone(tmp_path):

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import milestones.kernels.bf16_linear as bf16_linear
+import milestones.kernels.linear_layers as linear_layers
 import milestones.kernels.packed_linear as packed_linear
 from milestones import m1, m2
 from milestones.kernels import PackedLinear
@@ -63,20 +65,30 @@ def test_m1_packs_too_and_gives_the_same_tokens(tiny_model_path):
     assert_same_outputs(run(m1, llm, prompts, settings), reference)
 
 
-def test_auto_packs_only_on_a_cpu_in_float32(monkeypatch):
-    monkeypatch.setattr(packed_linear, "onednn_available", lambda: True)
+def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
+    """float32: oneDNN; bfloat16: oneDNN where the CPU has bfloat16 instructions, else the compiled kernel."""
+    bf16_instructions = False
+    monkeypatch.setattr(packed_linear, "onednn_available",
+                        lambda dtype=torch.float32: dtype == torch.float32 or bf16_instructions)
     monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model: "packed head")
+    monkeypatch.setattr(bf16_linear, "load_bf16_linear", lambda: None)
+    monkeypatch.setattr(bf16_linear, "swap_bf16_linear_layers", lambda model: "bf16 head")
     model = object()
-    assert packed_linear.pack_linear_layers_for("auto", model, CPU, torch.float32) == "packed head"
-    assert packed_linear.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) is None
-    assert packed_linear.pack_linear_layers_for("auto", model, torch.device("cuda"), torch.float32) is None
-    assert packed_linear.pack_linear_layers_for("torch", model, CPU, torch.float32) is None
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "packed head"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "bf16 head"
+    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "bf16 head"
+    bf16_instructions = True
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "packed head"
+    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "bf16 head"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float16) is None
+    assert linear_layers.pack_linear_layers_for("auto", model, torch.device("cuda"), torch.float32) is None
+    assert linear_layers.pack_linear_layers_for("torch", model, CPU, torch.float32) is None
 
 
 def test_auto_falls_back_to_f_linear_without_onednn(monkeypatch, tiny_model_path):
-    monkeypatch.setattr(packed_linear, "onednn_available", lambda: False)
+    monkeypatch.setattr(packed_linear, "onednn_available", lambda dtype=torch.float32: False)
     with pytest.raises(RuntimeError, match="linear_backend='torch'"):
-        packed_linear.pack_linear_layers_for("onednn", object(), CPU, torch.float32)
+        linear_layers.pack_linear_layers_for("onednn", object(), CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain F.linear"):
         llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="auto")
     assert llm.engine.runner.packed_lm_head is None
@@ -89,5 +101,7 @@ def test_auto_falls_back_to_f_linear_without_onednn(monkeypatch, tiny_model_path
 def test_linear_backend_option_is_checked(tiny_model_path, mod):
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         mod.LLM(tiny_model_path, device="cpu", linear_backend="mkl")
-    with pytest.raises(ValueError, match="CPU in float32 only"):
-        mod.LLM(tiny_model_path, device="cpu", dtype="bfloat16", linear_backend="onednn")
+    with pytest.raises(ValueError, match="runs on the CPU in float32, or in bfloat16 on a CPU with"):
+        mod.LLM(tiny_model_path, device="cpu", dtype="float16", linear_backend="onednn")
+    with pytest.raises(ValueError, match="'cpp' is the bfloat16 kernel for the CPU"):
+        mod.LLM(tiny_model_path, device="cpu", linear_backend="cpp")

@@ -1,0 +1,143 @@
+// y = x W^T (+ bias) for bfloat16 x and W, summed in float32: the fast path behind
+// linear_backend="cpp" (bf16_linear.py packs the weights, builds this file and registers
+// its op milestones::bf16_linear).
+//
+// A decode step at batch 1 reads every weight once and does two flops with it, so it
+// runs at the speed of memory: weights in bfloat16 are half the bytes of float32, and
+// that is what makes bfloat16 faster on a CPU. A CPU with AVX-512 BF16 or AMX multiplies
+// bfloat16 in hardware; on one without (AVX2, a laptop's NEON) torch's bfloat16 matrix
+// product falls back to slow generic code. This kernel needs no bfloat16 instruction: a
+// bfloat16 number is the top 16 bits of a float32, so it is widened exactly by a 16-bit
+// shift as it is loaded, and the products are summed in float32.
+//
+// The weight comes packed in panels of 16 output columns, [panels, in_features, 16]
+// (bf16_linear.py packs it once, at load time): for each k, the 16 weights of a panel
+// sit side by side. So the kernel takes one x[r][k], broadcast, times two vectors of 8
+// weights, into the sums of 16 outputs -- the shape of a BLAS inner kernel -- and reads
+// the weight straight through, once per tile of rows.
+//
+// Every output is the sum of x[k] * w[k] for k = 0, 1, 2, ... in that order, in float32
+// (each product fused into the sum), then the bias, then one rounding to bfloat16. The
+// number of rows, the tiling and the thread do not change that order, so a row's result
+// does not depend on the batch it came in: a request gets the same numbers alone or among
+// sixty others ("batch invariant"). Built without -ffast-math, which would reorder sums.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t PANEL = 16;  // output columns per packed panel: two vectors of 8 floats
+constexpr int TILE_ROWS = 6;   // 6 rows x 2 vectors: 12 sums, 2 weight vectors and a broadcast in 16 registers
+
+typedef float floatx8 __attribute__((vector_size(32)));
+typedef uint32_t uintx8 __attribute__((vector_size(32)));
+typedef uint16_t ushortx8 __attribute__((vector_size(16)));
+
+inline floatx8 load(const float* p) {
+  floatx8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline floatx8 load(const c10::BFloat16* p) {  // exact: each 16-bit pattern shifted into the top of a float's
+  ushortx8 half;
+  std::memcpy(&half, p, sizeof half);
+  const uintx8 bits = __builtin_convertvector(half, uintx8) << 16;
+  floatx8 v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// --8<-- [start:tile]
+// out[r][0:cols] = x[r] . panel for ROWS rows of x (float, k long); panel: [k, 16], float or bfloat16.
+template <int ROWS, typename W>
+void multiply_tile(const float* x, int64_t k, const W* panel, float* out, int64_t out_stride, int64_t cols) {
+  floatx8 sums[ROWS][2] = {};
+  for (int64_t i = 0; i < k; ++i) {  // in order of k: every output's sum is the same whatever ROWS is
+    const floatx8 low = load(panel + i * PANEL), high = load(panel + i * PANEL + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      const float xr = x[r * k + i];
+      sums[r][0] += xr * low;
+      sums[r][1] += xr * high;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = sums[r][c / 8][c % 8];
+}
+// --8<-- [end:tile]
+
+// out[:, 0:cols] for all m rows of x against one panel (out's rows are n long).
+template <typename W>
+void multiply_panel(const float* x, int64_t m, int64_t k, const W* panel, float* out, int64_t n, int64_t cols) {
+  for (int64_t r = 0; r < m; r += TILE_ROWS) {
+    const float* x_tile = x + r * k;
+    float* out_tile = out + r * n;
+    switch (std::min<int64_t>(TILE_ROWS, m - r)) {
+      case 6: multiply_tile<6>(x_tile, k, panel, out_tile, n, cols); break;
+      case 5: multiply_tile<5>(x_tile, k, panel, out_tile, n, cols); break;
+      case 4: multiply_tile<4>(x_tile, k, panel, out_tile, n, cols); break;
+      case 3: multiply_tile<3>(x_tile, k, panel, out_tile, n, cols); break;
+      case 2: multiply_tile<2>(x_tile, k, panel, out_tile, n, cols); break;
+      default: multiply_tile<1>(x_tile, k, panel, out_tile, n, cols);
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed_weight, c10::optional<torch::Tensor> bias,
+                          int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed_weight.device().is_cpu(), "bf16_linear runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed_weight.scalar_type() == at::kBFloat16,
+              "bf16_linear takes bfloat16 x and weight");
+  TORCH_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == PANEL && packed_weight.is_contiguous(),
+              "the weight must come packed by bf16_linear.pack_weight: [panels, in_features, 16], contiguous");
+  const int64_t n = out_features, k = packed_weight.size(1), panels = packed_weight.size(0);
+  TORCH_CHECK(n > 0 && (n + PANEL - 1) / PANEL == panels, "out_features (", n, ") does not fit ", panels, " panels");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x's last dimension must be the weight's in_features (", k,
+              "), got ", x.size(-1));
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == n),
+              "the bias is a bfloat16 vector of out_features (", n, ") numbers");
+
+  const torch::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();  // widened once, read by every task
+  const int64_t m = rows.size(0);
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  const float* x_data = rows.data_ptr<float>();
+  const c10::BFloat16* w_data = packed_weight.data_ptr<c10::BFloat16>();
+  float* out_data = out.data_ptr<float>();
+  const bool widen_panels = m > TILE_ROWS;  // several row tiles read each panel: widen it once, not once per tile
+
+  at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
+    std::vector<float> widened(widen_panels ? k * PANEL : 0);
+    for (int64_t panel = first_panel; panel < end_panel; ++panel) {
+      const int64_t col = panel * PANEL, cols = std::min(PANEL, n - col);
+      const c10::BFloat16* w = w_data + panel * k * PANEL;
+      if (widen_panels) {
+        for (int64_t i = 0; i < k * PANEL; i += 8) {
+          const floatx8 v = load(w + i);
+          std::memcpy(widened.data() + i, &v, sizeof v);
+        }
+        multiply_panel(x_data, m, k, widened.data(), out_data + col, n, cols);
+      } else {
+        multiply_panel(x_data, m, k, w, out_data + col, n, cols);
+      }
+    }
+  });
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));  // in float, before the one rounding to bfloat16
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return out.to(at::kBFloat16).reshape(shape);
+}
+
+// A dispatcher op, so that torch.compile sees one opaque call (its shape rule is registered in bf16_linear.py).
+TORCH_LIBRARY_FRAGMENT(milestones, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(milestones, CPU, m) { m.impl("bf16_linear", &bf16_linear); }

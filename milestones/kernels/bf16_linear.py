@@ -1,0 +1,82 @@
+"""bfloat16 linear layers through a compiled kernel (``bf16_linear.cpp``): the CPU path of ``linear_backend="cpp"``.
+
+In bfloat16 a weight is half the bytes of float32, and a decode step at small batch
+runs at the speed it reads weights from memory. torch's own bfloat16 product is fast
+only where the CPU multiplies bfloat16 in hardware (AVX-512 BF16, AMX); elsewhere it
+falls back to generic code, slower than float32 once a step has more than a few rows.
+The kernel widens each bfloat16 weight to float32 as it loads it (exact) and sums in
+float32, in one fixed order per output whatever the batch, then rounds once to
+bfloat16. Its weights are packed once, at load time, in panels of 16 output columns
+(``pack_weight``): the same bytes in the order the kernel streams them. The decoder's
+packed weights replace the originals; the packed LM head is a second copy of the head
+(the embedding keeps the original).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .build import compile_library
+
+SOURCE = Path(__file__).with_name("bf16_linear.cpp")
+PANEL = 16  # output columns per packed panel, as in bf16_linear.cpp
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")  # no fast-math: the order of the sums is fixed
+
+
+def load_bf16_linear() -> None:
+    """Build (once per machine) and load the kernel, which defines ``torch.ops.milestones.bf16_linear``."""
+    compile_library(SOURCE, FLAGS)
+    _register_shape()
+
+
+@functools.cache
+def _register_shape() -> None:
+    torch.library.register_fake("milestones::bf16_linear", _bf16_linear_shape)
+
+
+def _bf16_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                       out_features: int) -> torch.Tensor:
+    """What the op returns, for tracing without running it: x's rows, out_features wide, in bfloat16."""
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` to ``[panels, in, PANEL]``: a panel's 16 output columns side by side for every k (zero-padded)."""
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = torch.zeros(panels * PANEL, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    return padded.view(panels, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+# --8<-- [start:bf16_linear]
+class Bf16Linear(nn.Module):
+    """``nn.Linear``'s forward in bfloat16 through the compiled kernel; ``logits=True`` returns float32 like a head."""
+
+    def __init__(self, linear: nn.Linear, logits: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.logits = linear.in_features, linear.out_features, logits
+        self.packed_weight = pack_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.milestones.bf16_linear(x, self.packed_weight, self.bias, self.out_features)
+        return out.float() if self.logits else out
+
+
+def swap_bf16_linear_layers(model: nn.Module) -> Bf16Linear:
+    """Swap every linear layer of the decoder for a ``Bf16Linear``; return a packed copy of the LM head (float logits).
+
+    The LM head itself stays in the model (it may share its weight with the
+    embedding); the runner calls the packed copy instead of ``compute_logits``.
+    """
+    for parent in list(model.model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Bf16Linear(child))
+    return Bf16Linear(model.lm_head, logits=True)
+# --8<-- [end:bf16_linear]
