@@ -395,10 +395,73 @@ def test_a_benchmark_row_can_run_in_its_own_dtype(tiny_model_path, tmp_path):
     assert rows.MilestoneRow.parse("m1@bf16", ["m1"]).engine_options == {"dtype": "bfloat16"}
     with pytest.raises(ValueError, match="sets one option twice"):
         rows.MilestoneRow.parse("m1@bf16+fp32", ["m1"])
+    assert rows.is_hf_row("hf-generate@bf16") and rows.is_hf_row("hf-static") and not rows.is_hf_row("hf-static@fp16")
     run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
-               "--engines", "m1,m1@bf16", "--workloads", "decode", "--runs", "1", "--decode-tokens", "4",
-               "--out", str(tmp_path / "b.json"))
+               "--engines", "m1,m1@bf16,hf-generate,hf-generate@bf16", "--workloads", "decode", "--runs", "1",
+               "--decode-tokens", "4", "--out", str(tmp_path / "b.json"))
     results = json.loads((tmp_path / "b.json").read_text())["results"]
-    assert [r["engine_config"]["dtype"] for r in results] == ["torch.float32", "torch.bfloat16"]
-    fp32, bf16 = (r["bandwidth_fraction"] / r["output_tokens_per_s"] for r in results)
-    assert bf16 == pytest.approx(fp32 / 2)  # half the bytes per weight
+    assert [r["engine"] for r in results] == ["m1", "m1@bf16", "hf-generate", "hf-generate@bf16"]
+    assert [r["engine_config"]["dtype"] for r in results[:2]] == ["torch.float32", "torch.bfloat16"]
+    assert [r["dtype"] for r in results[2:]] == ["float32", "bfloat16"]
+    fp32, bf16, hf_fp32, hf_bf16 = (r["bandwidth_fraction"] / r["output_tokens_per_s"] for r in results)
+    assert bf16 == pytest.approx(fp32 / 2) and hf_bf16 == pytest.approx(hf_fp32 / 2)  # half the bytes per weight
+    assert results[1]["packed_linear"], "m1 in bfloat16 takes the compiled bfloat16 linear layers on the CPU"
+
+
+def test_llama_cpp_rows_are_named_not_implied():
+    """'all' leaves llama.cpp out (an optional, compiled extra); 'llama.cpp' names both of its rows."""
+    cli = import_bench("cli")
+    assert cli.parse_args(["--engines", "all"]).llama_cpp_rows == []
+    args = cli.parse_args(["--engines", "m1@bf16,llama.cpp"])
+    assert args.llama_cpp_rows == ["llama.cpp@f32", "llama.cpp@bf16"] and args.milestones == ["m1@bf16"]
+    proc = subprocess.run([sys.executable, "examples/benchmark.py", "--engines", "llama.cpp@q4"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "llama.cpp@bf16" in proc.stderr
+
+
+def test_the_gguf_for_llama_cpp_holds_the_same_weights_in_its_own_type(tmp_path):
+    """Matrices de-quantized and stored as BF16 (or F32), vectors kept in F32, every metadata entry copied."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    matrix, norm = rng.standard_normal((8, 64)).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    source = tmp_path / "source.gguf"
+    writer = gguf.GGUFWriter(source, "llama")
+    writer.add_block_count(1)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(matrix, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", norm)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    stored = gguf.quants.dequantize(gguf.GGUFReader(source).tensors[0].data, gguf.GGMLQuantizationType.Q8_0)
+
+    llama_cpp_rows = import_bench("llama_cpp_rows")
+    for type_name in ("BF16", "F32"):
+        target = tmp_path / f"{type_name}.gguf"
+        llama_cpp_rows.write_gguf(source, target, type_name)
+        reader = gguf.GGUFReader(target)
+        tensors = {t.name: t for t in reader.tensors}
+        up, attn_norm = tensors["blk.0.ffn_up.weight"], tensors["blk.0.attn_norm.weight"]
+        assert up.tensor_type.name == type_name and attn_norm.tensor_type.name == "F32"
+        expected = torch.from_numpy(stored).to(torch.bfloat16 if type_name == "BF16" else torch.float32).float()
+        assert torch.equal(torch.tensor(gguf.quants.dequantize(up.data, up.tensor_type)).reshape(8, 64), expected)
+        assert np.array_equal(attn_norm.data, norm)
+        assert reader.fields["llama.block_count"].contents() == 1
+        assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
+        assert not target.with_suffix(".partial").exists()
+
+
+@pytest.mark.real_model
+def test_llama_cpp_rows_run_where_llama_cpp_is_installed(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra: pip install -e '.[llama-cpp]'")
+    run_script("examples/benchmark.py", "--device", "cpu", "--threads", "1", "--engines", "m1,llama.cpp",
+               "--workloads", "decode", "--runs", "1", "--decode-tokens", "8", "--out", str(tmp_path / "b.json"),
+               timeout=600)
+    results = {r["engine"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
+    for engine, dtype in (("llama.cpp@f32", "float32"), ("llama.cpp@bf16", "bfloat16")):
+        row = results[engine]
+        assert row["status"] == "ok" and row["output_tokens"] == 8 and row["dtype"] == dtype, row
+        assert "same_tokens_as_m1" in row  # greedy: compared with m1's tokens

@@ -12,7 +12,7 @@ from _common import REPO_ROOT, HelpFormatter
 
 from milestones import MILESTONES
 
-from .rows import HF_CB_DEFAULTS, HF_ROWS, MilestoneRow
+from .rows import HF_CB_DEFAULTS, HF_ROWS, LLAMA_CPP_ROWS, MilestoneRow, is_hf_row
 from .workloads import WORKLOADS, Setup, build_workloads, fitting_max_model_len
 
 DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Benchmark the milestones against each other and against transformers, in one process.",
         epilog=f"Milestones available: {', '.join(MILESTONES)}. Rows for transformers: {', '.join(HF_ROWS)} "
-               "('hf' = all three).",
+               "('hf' = all three; hf-generate@bf16 or @fp32 in a dtype of its own). Rows for llama.cpp, only when "
+               f"named and installed (pip install -e '.[llama-cpp]'): {', '.join(LLAMA_CPP_ROWS)} "
+               "('llama.cpp' = both).",
         formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("what to run")
@@ -111,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked; adds the rows to run, in order, each once: ``milestone_rows`` and ``hf_rows``.
+    """The flags, checked; adds the rows to run, in order, each once: ``milestone_rows``, ``hf_rows`` and
+    ``llama_cpp_rows``.
 
     ``milestones`` keeps the milestone rows' names, for the JSON.
     """
@@ -123,14 +126,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown workload(s) {bad}; choose from {', '.join(WORKLOADS)}")
     engines: list[str] = []
     for name in (e.strip() for e in args.engines.split(",") if e.strip()):
-        expanded = [*MILESTONES, *HF_ROWS] if name == "all" else HF_ROWS if name == "hf" else [name]
-        engines += [e for e in expanded if e not in engines]
+        groups = {"all": [*MILESTONES, *HF_ROWS], "hf": HF_ROWS, "llama.cpp": LLAMA_CPP_ROWS}
+        engines += [e for e in groups.get(name, [name]) if e not in engines]
+    args.hf_rows = [e for e in engines if is_hf_row(e)]
+    args.llama_cpp_rows = [e for e in engines if e in LLAMA_CPP_ROWS]
     try:
-        args.milestone_rows = [MilestoneRow.parse(e, MILESTONES) for e in engines if e not in HF_ROWS]
+        args.milestone_rows = [MilestoneRow.parse(e, MILESTONES) for e in engines
+                               if e not in args.hf_rows and e not in args.llama_cpp_rows]
     except ValueError as err:
         p.error(str(err))
     args.milestones = [row.name for row in args.milestone_rows]
-    args.hf_rows = [e for e in engines if e in HF_ROWS]
     for flag in POSITIVE_FLAGS:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -172,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in args.milestone_rows:
         rows += milestone_rows.run_milestone(row, setup)
     rows += hf_rows.run_transformers(setup)
+    if args.llama_cpp_rows:  # imported only when asked: llama-cpp-python is an optional extra
+        from . import llama_cpp_rows
+
+        rows += llama_cpp_rows.run_llama_cpp(setup)
     report.add_ratios_to_hf(rows, args.hf_batch_size)
     report.token_agreement(rows)
     report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth, setup.dtype)
@@ -201,7 +210,7 @@ def print_preamble(setup: Setup, results: dict) -> None:
     args, requests, config, machine = setup.args, setup.workloads.mixed, results["config"], results["machine"]
     print(f"benchmark: {config['model']} on {setup.device} ({config['dtype']}), {os.cpu_count()} CPUs, "
           f"torch {machine['torch']}; workloads {', '.join(args.workloads)}; "
-          f"rows {', '.join(args.milestones + args.hf_rows)}", flush=True)
+          f"rows {', '.join(args.milestones + args.hf_rows + args.llama_cpp_rows)}", flush=True)
     load = machine.get("load_average_at_start", [0.0])[0]
     if load > 1.0 and setup.device.type == "cpu":
         print(f"note: the machine is busy (load average {load:.1f} on {os.cpu_count()} CPUs): CPU numbers will be "

@@ -8,6 +8,7 @@ hf-continuous   (mixed) transformers' own continuous batching (paged cache, back
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import time
@@ -17,7 +18,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
-from .rows import HF_CB_DEFAULTS, MB, error_row, inter_token_latency, mean, median_of_runs, median_run, new_row
+from .rows import (
+    HF_CB_DEFAULTS,
+    MB,
+    ROW_DTYPES,
+    error_row,
+    inter_token_latency,
+    mean,
+    median_of_runs,
+    median_run,
+    new_row,
+)
 from .workloads import Request, Setup
 
 HF_CB_PAGE_SIZE = 32  # tokens per page of hf-continuous's paged KV cache
@@ -57,15 +68,24 @@ def weight_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 def run_transformers(setup: Setup) -> list[dict]:
-    """Load the model once and measure the selected transformers rows (decode and mixed workloads only)."""
+    """Measure the selected transformers rows (decode and mixed workloads only), loading the model once per dtype."""
     args = setup.args
-    wanted = []
-    if "decode" in args.workloads and "hf-generate" in args.hf_rows:
-        wanted.append(("decode", "hf-generate"))
-    if "mixed" in args.workloads:
-        wanted += [("mixed", e) for e in ("hf-static", "hf-continuous") if e in args.hf_rows]
-    if not wanted:
-        return []
+    wanted: dict[torch.dtype, list[tuple[str, str]]] = {}  # dtype -> (workload, row name) in command-line order
+    for name in args.hf_rows:
+        base, _, option = name.partition("@")
+        dtype = getattr(torch, ROW_DTYPES[option]) if option else setup.dtype
+        workload = "decode" if base == "hf-generate" else "mixed"
+        if workload in args.workloads:
+            wanted.setdefault(dtype, []).append((workload, name))
+    rows = []
+    for dtype, dtype_rows in wanted.items():
+        rows += run_in_dtype(dataclasses.replace(setup, dtype=dtype), dtype_rows)
+    return rows
+
+
+def run_in_dtype(setup: Setup, wanted: list[tuple[str, str]]) -> list[dict]:
+    """The rows ``wanted``, (workload, row name), with the model loaded once in ``setup.dtype``."""
+    args = setup.args
     hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the report
     try:
         start = time.perf_counter()
@@ -77,8 +97,9 @@ def run_transformers(setup: Setup) -> list[dict]:
     except Exception as err:
         return [error_row(w, e, "transformers", err) for w, e in wanted]
     rows = []
-    for workload, engine in wanted:
-        label = f"hf-static-{args.hf_batch_size}" if engine == "hf-static" else engine
+    for workload, name in wanted:
+        engine, at, option = name.partition("@")
+        label = (f"hf-static-{args.hf_batch_size}" if engine == "hf-static" else engine) + at + option
         print(f"- {label}: {workload} ...", flush=True)
         torch.manual_seed(args.seed)
         try:
@@ -89,7 +110,7 @@ def run_transformers(setup: Setup) -> list[dict]:
                     row = median_run(functools.partial(static_batches_row, model, tokenizer, setup), args.mixed_runs)
                 else:
                     row = median_run(functools.partial(continuous_row, model, setup), args.mixed_runs)
-            row["load_s"] = load_s
+            row.update(engine=label, load_s=load_s, dtype=str(setup.dtype).replace("torch.", ""))
         except Exception as err:
             row = error_row(workload, label, "transformers", err)
         rows.append(row)

@@ -63,7 +63,8 @@ def add_bandwidth_fractions(rows: list[dict], weight_bytes_per_token: int, bandw
     """
     for row in rows:
         if row["workload"] == "decode" and row["status"] == "ok":
-            row_dtype = (row.get("engine_config") or {}).get("dtype", str(dtype)).replace("torch.", "")
+            row_dtype = row.get("dtype") or (row.get("engine_config") or {}).get("dtype", str(dtype))
+            row_dtype = row_dtype.replace("torch.", "")
             scale = torch.empty(0, dtype=getattr(torch, row_dtype)).element_size() / dtype.itemsize
             row["bandwidth_fraction"] = row["output_tokens_per_s"] * weight_bytes_per_token * scale / bandwidth
 
@@ -85,7 +86,8 @@ def new_results(setup: Setup, command: list[str]) -> dict:
         "machine": machine_info(setup.device),
         "config": {"model": args.model or "SmolLM2-135M-Instruct (bundled)",
                    "dtype": str(setup.dtype).replace("torch.", ""), "workloads": args.workloads,
-                   "milestones": args.milestones, "hf_rows": args.hf_rows, "seed": args.seed,
+                   "milestones": args.milestones, "hf_rows": args.hf_rows,
+                   "llama_cpp_rows": args.llama_cpp_rows, "seed": args.seed,
                    "decode_tokens": args.decode_tokens, "decode_prompt_len": args.decode_prompt_len, "runs": args.runs,
                    "batch_sizes": args.batch_sizes, "weight_bytes_per_token": setup.weight_bytes_per_token,
                    "num_requests": args.num_requests, "prompt_len_range": list(args.prompt_len_range),

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 MB = 1024 * 1024
 HF_ROWS = ("hf-generate", "hf-static", "hf-continuous")  # transformers' rows; 'hf' on the command line = all three
+ROW_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # hf-generate@bf16: a transformers row in its own dtype
+LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16")  # only when named; 'llama.cpp' on the command line = both
 HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # hf-continuous: the same budget as m2's defaults
 ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options (EngineConfig field, value)
     "auto": ("attention_backend", "auto"),
@@ -22,6 +24,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-auto": ("linear_backend", "auto"),
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),
+    "linear-cpp": ("linear_backend", "cpp"),  # the compiled bfloat16 kernel (with bf16)
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
     "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
@@ -43,14 +46,21 @@ class MilestoneRow:
         milestone, at, options = name.partition("@")
         chosen = options.split("+") if at else []
         if milestone not in milestones or not set(chosen) <= set(ROW_OPTIONS):
-            raise ValueError(f"unknown engine {name!r}; choose from {', '.join([*milestones, 'hf', *HF_ROWS])}; a "
-                             f"milestone may take options after '@', joined by '+' ({', '.join(ROW_OPTIONS)}), "
-                             "e.g. m2@torch+linear-torch")
+            raise ValueError(f"unknown engine {name!r}; choose from {', '.join([*milestones, 'hf', *HF_ROWS])}, "
+                             f"'llama.cpp' or {', '.join(LLAMA_CPP_ROWS)}; a milestone may take options after '@', "
+                             f"joined by '+' ({', '.join(ROW_OPTIONS)}), e.g. m2@torch+linear-torch; a transformers "
+                             "row a dtype, e.g. hf-generate@bf16")
         fields = [ROW_OPTIONS[option][0] for option in chosen]
         if len(set(fields)) < len(fields):
             raise ValueError(f"engine {name!r} sets one option twice; name at most one value each for "
                              f"{', '.join(sorted(set(fields)))}")
         return cls(name, milestone, dict(ROW_OPTIONS[option] for option in chosen))
+
+
+def is_hf_row(name: str) -> bool:
+    """``hf-generate``, or with a dtype of its own: ``hf-generate@bf16``."""
+    base, at, option = name.partition("@")
+    return base in HF_ROWS and (not at or option in ROW_DTYPES)
 
 
 def new_row(workload: str, engine: str, kind: str, **fields) -> dict:

@@ -1,0 +1,113 @@
+"""llama.cpp's rows, the yardstick for a CPU: the same weights as a GGUF in F32 or BF16, batch-1 decode.
+
+llama.cpp@f32   (decode) llama.cpp through llama-cpp-python, every matrix in float32.
+llama.cpp@bf16  (decode) the same in bfloat16 (norm weights stay float32, as llama.cpp's own converter keeps them).
+
+Run only when named in --engines, and only with llama-cpp-python installed
+(``pip install -e ".[llama-cpp]"``, which compiles llama.cpp for this CPU: minutes).
+Both GGUFs are written once from the bundled one, de-quantized to the float32 values
+the milestones load (``model_store``), and cached next to the converted model.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .rows import error_row, inter_token_latency, median_of_runs, new_row
+from .workloads import Setup
+
+LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16")
+GGUF_TYPES = {"f32": "F32", "bf16": "BF16"}  # row option -> GGMLQuantizationType name
+
+
+def write_gguf(source: Path, target: Path, type_name: str) -> None:
+    """Copy ``source``'s metadata and tensors into ``target``, every matrix de-quantized and stored as ``type_name``."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(target.with_suffix(".partial"), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue  # written by the writer itself, or no longer true
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if type_name == "F32" else gguf.LlamaFileType.MOSTLY_BF16)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if values.ndim > 1 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)  # shape in bytes
+        else:  # vectors (norm weights) stay float32
+            writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    target.with_suffix(".partial").rename(target)
+
+
+def gguf_for(option: str) -> Path:
+    """The bundled model as a GGUF of this row's type, written on first use and cached."""
+    from milestones.model_store import DEFAULT_MODEL, bundled_gguf_path, cache_dir
+
+    target = cache_dir() / f"{DEFAULT_MODEL}.{GGUF_TYPES[option]}.gguf"
+    if not target.is_file():
+        print(f"    writing {target.name} once (de-quantized from the bundled GGUF) ...", flush=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(bundled_gguf_path(), target, GGUF_TYPES[option])
+    return target
+
+
+def run_llama_cpp(setup: Setup) -> list[dict]:
+    """Each llama.cpp row the command line named, on the decode workload."""
+    if "decode" not in setup.args.workloads:
+        return []
+    rows = []
+    for engine in setup.args.llama_cpp_rows:
+        print(f"- {engine}: decode ...", flush=True)
+        try:
+            rows.append(decode_row(engine, setup))
+        except Exception as err:
+            rows.append(error_row("decode", engine, "llama.cpp", err))
+    return rows
+
+
+def decode_row(engine: str, setup: Setup) -> dict:
+    """One prompt, --decode-tokens greedy tokens (end of text never stops it), one warm-up then --runs timed runs."""
+    import torch
+    from llama_cpp import Llama
+
+    if setup.args.model is not None or setup.device.type != "cpu":
+        raise ValueError("the llama.cpp rows run the bundled model on the CPU only (no --model, --device cpu)")
+    option = engine.partition("@")[2]
+    args, prompt = setup.args, setup.workloads.decode_prompt
+    threads = torch.get_num_threads()  # the milestones' threads
+    start = time.perf_counter()
+    llm = Llama(model_path=str(gguf_for(option)), n_ctx=len(prompt) + args.decode_tokens + 8, n_threads=threads,
+                n_threads_batch=threads, n_batch=512, verbose=False)
+    load_s = time.perf_counter() - start
+
+    def one_run() -> tuple[list[int], list[float], float]:
+        llm.reset()  # no prefix cache between runs: every run computes its prompt
+        tokens, times, begin = [], [], time.perf_counter()
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; never stops on its own
+            tokens.append(token)
+            times.append(time.perf_counter())
+            if len(tokens) == args.decode_tokens:
+                break
+        return tokens, times, begin
+
+    one_run()  # warm-up
+    runs = []
+    for _ in range(args.runs):
+        tokens, times, begin = one_run()
+        wall = times[-1] - begin
+        runs.append({"wall_s": wall, "tokens_per_s": len(tokens) / wall, "ttft_s": times[0] - begin,
+                     "itl_s": inter_token_latency(times[0], times[-1], len(tokens))})
+    llm.close()
+    return new_row("decode", engine, "llama.cpp", num_requests=1, output_tokens=len(tokens), **median_of_runs(runs),
+                   runs=runs, load_s=load_s, dtype="float32" if option == "f32" else "bfloat16",
+                   threads=threads, _tokens=[tokens])
