@@ -465,3 +465,15 @@ def test_llama_cpp_rows_run_where_llama_cpp_is_installed(tmp_path):
         row = results[engine]
         assert row["status"] == "ok" and row["output_tokens"] == 8 and row["dtype"] == dtype, row
         assert "same_tokens_as_m1" in row  # greedy: compared with m1's tokens
+
+
+def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
+    out = tmp_path / "linear.json"
+    proc = run_script("examples/linear_benchmark.py", "--shapes", "40x24,20x16", "--rows", "1,7", "--reps", "1",
+                      "--threads", "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    assert [(r["out_features"], r["rows"]) for r in record["results"]] == [(40, 1), (40, 7), (20, 1), (20, 7)]
+    ways = set(record["results"][0]["ms"])
+    assert {"fp32-torch", "bf16-torch"} <= ways and ways.isdisjoint(record["left_out"])
+    assert ways | set(record["left_out"]) == {"fp32-torch", "bf16-torch", "fp32-onednn", "bf16-onednn", "bf16-cpp"}
+    assert "left out" in proc.stdout

@@ -1,0 +1,116 @@
+"""Time one linear layer the ways this CPU can run it, at the row counts a serving step has.
+
+    python examples/linear_benchmark.py                  # SmolLM2-135M's shapes, 1 to 256 rows
+    python examples/linear_benchmark.py --out docs/assets/benchmarks/linear_layers.json
+
+For each weight shape ([out, in]) and number of rows it times, in one process:
+
+  fp32-onednn   float32 weights packed for oneDNN (linear_backend="onednn", float32's default)
+  fp32-torch    float32 F.linear (linear_backend="torch")
+  bf16-torch    bfloat16 F.linear: torch's own bfloat16 product
+  bf16-onednn   bfloat16 weights packed for oneDNN, where this CPU has bfloat16 instructions
+  bf16-cpp      the compiled bfloat16 kernel (linear_backend="cpp", bfloat16's default without them)
+
+and reports the median of --reps calls after a warm-up. A row that cannot run here
+(no oneDNN bfloat16, no compiler) is left out, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from _common import HelpFormatter
+
+SHAPES = "1536x576,576x1536,576x576,49152x576"  # SmolLM2-135M: gate/up, down, q/o, the LM head
+
+
+def shape_list(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(out), int(in_)) for out, in_ in (shape.split("x") for shape in text.split(","))]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected OUTxIN[,OUTxIN...], got {text!r}") from None
+
+
+def median_ms(call: Callable[[], object], reps: int) -> float:
+    call()  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--shapes", type=shape_list, default=SHAPES, help="weight shapes OUTxIN, comma-separated")
+    p.add_argument("--rows", default="1,4,16,64,256", help="rows per call (tokens in a step), comma-separated")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per measurement; the median is reported")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's choice")
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    args = p.parse_args(argv)
+    rows = [int(r) for r in args.rows.split(",")]
+
+    import torch
+    import torch.nn.functional as F
+    from bench.report import machine_info
+    from torch import nn
+
+    from milestones.kernels import PackedLinear, onednn_available
+    from milestones.kernels.bf16_linear import Bf16Linear, load_bf16_linear
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    skipped = {}
+    if not onednn_available(torch.float32):
+        skipped["fp32-onednn"] = "this torch build has no oneDNN"
+    if not onednn_available(torch.bfloat16):
+        skipped["bf16-onednn"] = "oneDNN packs bfloat16 only on a CPU with AVX-512 BF16, AMX or AVX-NE-CONVERT"
+    try:
+        load_bf16_linear()
+    except Exception as error:  # no compiler, say
+        skipped["bf16-cpp"] = f"the kernel did not build: {error}"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; left out: {skipped or 'nothing'}")
+    results = []
+    torch.manual_seed(0)
+    for out_features, in_features in args.shapes:
+        fp32 = nn.Linear(in_features, out_features, bias=False)
+        bf16 = nn.Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+        bf16.weight.data.copy_(fp32.weight.data)
+        ways: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.dtype]] = {
+            "fp32-torch": (lambda x, w=fp32.weight: F.linear(x, w), torch.float32),
+            "bf16-torch": (lambda x, w=bf16.weight: F.linear(x, w), torch.bfloat16),
+        }
+        if "fp32-onednn" not in skipped:
+            ways["fp32-onednn"] = (PackedLinear(fp32), torch.float32)
+        if "bf16-onednn" not in skipped:
+            ways["bf16-onednn"] = (PackedLinear(bf16), torch.bfloat16)
+        if "bf16-cpp" not in skipped:
+            ways["bf16-cpp"] = (Bf16Linear(bf16), torch.bfloat16)
+        for m in rows:
+            inputs = {dtype: torch.randn(m, in_features).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
+            with torch.inference_mode():
+                timings = {name: median_ms(functools.partial(f, inputs[dtype]), args.reps)
+                           for name, (f, dtype) in sorted(ways.items())}
+            results.append({"out_features": out_features, "in_features": in_features, "rows": m, "ms": timings})
+            line = "  ".join(f"{name} {ms:8.3f}" for name, ms in timings.items())
+            print(f"{out_features:6d}x{in_features:<5d} rows {m:4d}  ms: {line}", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        command = " ".join(["examples/linear_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
+        record = {"command": command, "machine": machine_info(torch.device("cpu")), "left_out": skipped,
+                  "results": results}
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
