@@ -37,7 +37,8 @@ constexpr int TILE_ROWS = 6;   // 6 rows x 2 vectors: 12 sums, 2 weight vectors 
 
 typedef float floatx8 __attribute__((vector_size(32)));
 typedef uint32_t uintx8 __attribute__((vector_size(32)));
-typedef uint16_t ushortx8 __attribute__((vector_size(16)));
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a 32-bit word holds its first bfloat16 in its low half");
 
 inline floatx8 load(const float* p) {
   floatx8 v;
@@ -45,47 +46,74 @@ inline floatx8 load(const float* p) {
   return v;
 }
 
-inline floatx8 load(const c10::BFloat16* p) {  // exact: each 16-bit pattern shifted into the top of a float's
-  ushortx8 half;
-  std::memcpy(&half, p, sizeof half);
-  const uintx8 bits = __builtin_convertvector(half, uintx8) << 16;
-  floatx8 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
+// One k of a panel: its 16 weights, as the float32 sums of its even and of its odd columns want them.
+// bfloat16 (the packed weight): 8 32-bit words, each holding column 2j in its low half and 2j + 1 in its
+// high half; a bfloat16 is the top half of a float32, so a shift and a mask widen them exactly.
+inline void load_columns(const c10::BFloat16* p, floatx8& even, floatx8& odd) {
+  uintx8 words;
+  std::memcpy(&words, p, sizeof words);
+  const uintx8 low = words << 16, high = words & 0xFFFF0000u;
+  std::memcpy(&even, &low, sizeof even);
+  std::memcpy(&odd, &high, sizeof odd);
+}
+
+// float (a panel widened once for many rows): the even columns' 8 floats, then the odd columns'.
+inline void load_columns(const float* p, floatx8& even, floatx8& odd) {
+  even = load(p);
+  odd = load(p + 8);
 }
 
 // --8<-- [start:tile]
-// out[r][0:cols] = x[r] . panel for ROWS rows of x (float, k long); panel: [k, 16], float or bfloat16.
-template <int ROWS, typename W>
-void multiply_tile(const float* x, int64_t k, const W* panel, float* out, int64_t out_stride, int64_t cols) {
-  floatx8 sums[ROWS][2] = {};
-  for (int64_t i = 0; i < k; ++i) {  // in order of k: every output's sum is the same whatever ROWS is
-    const floatx8 low = load(panel + i * PANEL), high = load(panel + i * PANEL + 8);
-    for (int r = 0; r < ROWS; ++r) {
-      const float xr = x[r * k + i];
-      sums[r][0] += xr * low;
-      sums[r][1] += xr * high;
+// out[r][0:cols] = x[r] . panels for ROWS rows of x (float, k long) against PANELS consecutive panels, each
+// [k, 16] (float or bfloat16, panel_stride apart); cols counts the valid columns of all of them.
+template <int ROWS, int PANELS, typename W>
+void multiply_tile(const float* x, int64_t k, const W* panels, int64_t panel_stride, float* out, int64_t out_stride,
+                   int64_t cols) {
+  floatx8 sums[ROWS][2 * PANELS] = {};
+  for (int64_t i = 0; i < k; ++i) {  // in order of k: every output's sum is the same whatever ROWS and PANELS are
+    for (int p = 0; p < PANELS; ++p) {
+      floatx8 even, odd;
+      load_columns(panels + p * panel_stride + i * PANEL, even, odd);
+      for (int r = 0; r < ROWS; ++r) {
+        const float xr = x[r * k + i];
+        sums[r][2 * p] += xr * even;
+        sums[r][2 * p + 1] += xr * odd;
+      }
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = sums[r][c / 8][c % 8];
+    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = sums[r][2 * (c / PANEL) + c % 2][c % PANEL / 2];
 }
 // --8<-- [end:tile]
 
-// out[:, 0:cols] for all m rows of x against one panel (out's rows are n long).
+// out[:, 0:cols] for all m rows of x against `count` consecutive panels (out's rows are n long). Few rows
+// (a decode) take several panels at once, so that several independent sums are under way.
 template <typename W>
-void multiply_panel(const float* x, int64_t m, int64_t k, const W* panel, float* out, int64_t n, int64_t cols) {
-  for (int64_t r = 0; r < m; r += TILE_ROWS) {
-    const float* x_tile = x + r * k;
-    float* out_tile = out + r * n;
-    switch (std::min<int64_t>(TILE_ROWS, m - r)) {
-      case 6: multiply_tile<6>(x_tile, k, panel, out_tile, n, cols); break;
-      case 5: multiply_tile<5>(x_tile, k, panel, out_tile, n, cols); break;
-      case 4: multiply_tile<4>(x_tile, k, panel, out_tile, n, cols); break;
-      case 3: multiply_tile<3>(x_tile, k, panel, out_tile, n, cols); break;
-      case 2: multiply_tile<2>(x_tile, k, panel, out_tile, n, cols); break;
-      default: multiply_tile<1>(x_tile, k, panel, out_tile, n, cols);
+void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int64_t count, float* out, int64_t n,
+                     int64_t cols) {
+  const int64_t stride = k * PANEL;
+  for (int64_t p = 0; p < count;) {
+    const int64_t left = count - p, p_cols = std::min<int64_t>(cols - p * PANEL, (m == 1 ? 4 : 1) * PANEL);
+    if (m == 1 && left >= 4) {
+      multiply_tile<1, 4>(x, k, panels + p * stride, stride, out + p * PANEL, n, p_cols);
+      p += 4;
+      continue;
     }
+    for (int64_t r = 0; r < m; r += TILE_ROWS) {
+      const float* x_tile = x + r * k;
+      float* out_tile = out + r * n + p * PANEL;
+      const W* panel = panels + p * stride;
+      const int64_t panel_cols = std::min<int64_t>(cols - p * PANEL, PANEL);
+      switch (std::min<int64_t>(TILE_ROWS, m - r)) {
+        case 6: multiply_tile<6, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
+        case 5: multiply_tile<5, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
+        case 4: multiply_tile<4, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
+        case 3: multiply_tile<3, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
+        case 2: multiply_tile<2, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
+        default: multiply_tile<1, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols);
+      }
+    }
+    p += 1;
   }
 }
 
@@ -114,19 +142,23 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed_weight, c10::opt
   const bool widen_panels = m > TILE_ROWS;  // several row tiles read each panel: widen it once, not once per tile
 
   at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
-    std::vector<float> widened(widen_panels ? k * PANEL : 0);
+    if (!widen_panels) {  // each panel is read by one tile: straight from the packed weight
+      const int64_t col = first_panel * PANEL;
+      multiply_panels(x_data, m, k, w_data + first_panel * k * PANEL, end_panel - first_panel, out_data + col, n,
+                      std::min(n, end_panel * PANEL) - col);
+      return;
+    }
+    std::vector<float> widened(k * PANEL);
     for (int64_t panel = first_panel; panel < end_panel; ++panel) {
-      const int64_t col = panel * PANEL, cols = std::min(PANEL, n - col);
+      const int64_t col = panel * PANEL;
       const c10::BFloat16* w = w_data + panel * k * PANEL;
-      if (widen_panels) {
-        for (int64_t i = 0; i < k * PANEL; i += 8) {
-          const floatx8 v = load(w + i);
-          std::memcpy(widened.data() + i, &v, sizeof v);
-        }
-        multiply_panel(x_data, m, k, widened.data(), out_data + col, n, cols);
-      } else {
-        multiply_panel(x_data, m, k, w, out_data + col, n, cols);
+      for (int64_t i = 0; i < k * PANEL; i += PANEL) {  // each k: the even columns' 8 floats, then the odd
+        floatx8 even, odd;
+        load_columns(w + i, even, odd);
+        std::memcpy(widened.data() + i, &even, sizeof even);
+        std::memcpy(widened.data() + i + 8, &odd, sizeof odd);
       }
+      multiply_panels(x_data, m, k, widened.data(), 1, out_data + col, n, std::min(PANEL, n - col));
     }
   });
   if (bias.has_value()) out.add_(bias->to(at::kFloat));  // in float, before the one rounding to bfloat16
