@@ -50,15 +50,18 @@ class Logits(NamedTuple):
     hf_fp32: torch.Tensor
 
 
-def teacher_forced_logits(path, token_ids: list[int], linear_backend: str) -> Logits:
-    """Our m1 in bfloat16 and transformers in bfloat16 and float32, on the CPU, over the same tokens."""
-    runner = LLM(path, device="cpu", dtype="bfloat16", max_model_len=512, linear_backend=linear_backend).engine.runner
-    ids, positions = torch.tensor(token_ids), torch.arange(len(token_ids))
+def teacher_forced_logits(path, token_ids: list[int], linear_backend: str = "auto", device: str = "cpu") -> Logits:
+    """Our m1 in bfloat16 and transformers in bfloat16 and float32, on ``device``, over the same tokens."""
+    llm = LLM(path, device=device, dtype="bfloat16", max_model_len=512, linear_backend=linear_backend)
+    runner = llm.engine.runner
+    ids, positions = torch.tensor(token_ids, device=device), torch.arange(len(token_ids), device=device)
     with torch.inference_mode():
         ctx = AttentionContext(runner.k_cache, runner.v_cache, positions, len(token_ids))
         ours = runner.compute_logits(runner.model(ids, positions, ctx)).float()
-        hf = {dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()(ids[None]).logits[0].float()
-              for dtype in (torch.bfloat16, torch.float32)}
+        hf = {}
+        for dtype in (torch.bfloat16, torch.float32):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            hf[dtype] = model(ids[None]).logits[0].float()
     return Logits(ours, hf[torch.bfloat16], hf[torch.float32])
 
 
@@ -66,16 +69,17 @@ def top1(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
 
 
-def check_agreement(logits: Logits, linear_backend: str, report, label: str) -> None:
+def check_agreement(logits: Logits, same_operators: bool, report, label: str) -> None:
+    """``same_operators``: ours ran the very torch operators transformers did, so the two must agree closely."""
     worst = (logits.ours - logits.hf_bf16).abs().max().item()
     ours_error = (logits.ours - logits.hf_fp32).abs().mean().item()
     hf_error = (logits.hf_bf16 - logits.hf_fp32).abs().mean().item()
     same_top1, ours_top1_fp32, hf_top1_fp32 = (top1(logits.ours, logits.hf_bf16), top1(logits.ours, logits.hf_fp32),
                                                top1(logits.hf_bf16, logits.hf_fp32))
-    report(f"bf16 ({linear_backend}) vs transformers, {label}: {len(logits.ours)} positions; against its bf16: "
+    report(f"bf16 vs transformers, {label}: {len(logits.ours)} positions; against its bf16: "
            f"top-1 {same_top1:.1%}, largest logit difference {worst:.3f}; against fp32: mean error {ours_error:.4f} "
            f"(transformers bf16: {hf_error:.4f}), top-1 {ours_top1_fp32:.1%} (transformers bf16: {hf_top1_fp32:.1%})")
-    if linear_backend == "torch":  # the same operators as transformers
+    if same_operators:
         assert worst <= LOGIT_ATOL, f"a logit differs by {worst:.3f} (tolerance {LOGIT_ATOL})"
         assert same_top1 >= MIN_TOP1_AGREEMENT, f"top-1 agreement {same_top1:.1%} < {MIN_TOP1_AGREEMENT:.0%}"
         return
@@ -91,7 +95,8 @@ def check_agreement(logits: Logits, linear_backend: str, report, label: str) -> 
 def test_teacher_forced_logits_match_transformers_in_bfloat16(tiny_model_factory, kind, linear_backend, report):
     path = tiny_model_factory(kind)
     tokens = [t for prompt in varied_prompts(8, seed=1)[5:] for t in prompt][:300]
-    check_agreement(teacher_forced_logits(path, tokens, linear_backend), linear_backend, report, f"tiny {kind}")
+    check_agreement(teacher_forced_logits(path, tokens, linear_backend), linear_backend == "torch", report,
+                    f"tiny {kind}, linear_backend={linear_backend}")
 
 
 @pytest.mark.real_model
@@ -104,8 +109,8 @@ def test_teacher_forced_logits_match_transformers_in_bfloat16_on_the_bundled_mod
             "it to the sea again. Plants return water to the air through their leaves, which is called "
             "transpiration. Over a year, the same drop may travel thousands of kilometres.")
     tokens = AutoTokenizer.from_pretrained(bundled_model_path).encode(text)
-    check_agreement(teacher_forced_logits(bundled_model_path, tokens, linear_backend), linear_backend, report,
-                    "SmolLM2-135M")
+    check_agreement(teacher_forced_logits(bundled_model_path, tokens, linear_backend), linear_backend == "torch",
+                    report, f"SmolLM2-135M, linear_backend={linear_backend}")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

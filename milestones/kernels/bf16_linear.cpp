@@ -7,14 +7,18 @@
 // that is what makes bfloat16 faster on a CPU. A CPU with AVX-512 BF16 or AMX multiplies
 // bfloat16 in hardware; on one without (AVX2, a laptop's NEON) torch's bfloat16 matrix
 // product falls back to slow generic code. This kernel needs no bfloat16 instruction: a
-// bfloat16 number is the top 16 bits of a float32, so it is widened exactly by a 16-bit
-// shift as it is loaded, and the products are summed in float32.
+// bfloat16 number is the top 16 bits of a float32, so it is widened exactly as it is
+// loaded, and the products are summed in float32.
 //
 // The weight comes packed in panels of 16 output columns, [panels, in_features, 16]
 // (bf16_linear.py packs it once, at load time): for each k, the 16 weights of a panel
-// sit side by side. So the kernel takes one x[r][k], broadcast, times two vectors of 8
-// weights, into the sums of 16 outputs -- the shape of a BLAS inner kernel -- and reads
-// the weight straight through, once per tile of rows.
+// sit side by side, 32 bytes. Read as eight 32-bit words, each word holds an even column
+// in its low half and the next odd column in its high half, so a shift left by 16 gives
+// the 8 even columns as floats and a mask the 8 odd ones, without shuffling. The kernel
+// takes one x[r][k], broadcast, times those two vectors, into the sums of 16 outputs --
+// the shape of a BLAS inner kernel -- and reads the weight straight through, once per
+// tile of rows. A single row (a decode at batch 1) takes four panels at once, so that
+// eight sums are under way while the memory streams the weights in.
 //
 // Every output is the sum of x[k] * w[k] for k = 0, 1, 2, ... in that order, in float32
 // (each product fused into the sum), then the bias, then one rounding to bfloat16. The
