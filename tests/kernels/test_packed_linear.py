@@ -105,3 +105,19 @@ def test_linear_backend_option_is_checked(tiny_model_path, mod):
         mod.LLM(tiny_model_path, device="cpu", dtype="float16", linear_backend="onednn")
     with pytest.raises(ValueError, match="'cpp' is the bfloat16 kernel for the CPU"):
         mod.LLM(tiny_model_path, device="cpu", linear_backend="cpp")
+
+
+@pytest.mark.skipif(not packed_linear.onednn_available(torch.bfloat16),
+                    reason="oneDNN packs bfloat16 only on a CPU with AVX-512 BF16, AMX or AVX-NE-CONVERT")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_packed_bfloat16_equals_float32_arithmetic_rounded_once(tiny_model_path, rows):
+    """Where this CPU has bfloat16 instructions, "auto" packs bfloat16 weights for oneDNN too."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 192).to(torch.bfloat16)
+    x = torch.randn(rows, 576).bfloat16()
+    expected = F.linear(x.float(), linear.weight.float(), linear.bias.float()).bfloat16()
+    torch.testing.assert_close(PackedLinear(linear)(x), expected, rtol=2**-7, atol=2**-7)  # one bfloat16 unit
+    llm = m1.LLM(tiny_model_path, device="cpu", dtype="bfloat16", max_model_len=128)
+    head = llm.engine.runner.compute_logits
+    assert isinstance(head, PackedLinear)
+    assert head(torch.randn(3, llm.engine.runner.model.config.hidden_size).bfloat16()).dtype == torch.float32
