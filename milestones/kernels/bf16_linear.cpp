@@ -90,24 +90,22 @@ void multiply_tile(const float* x, int64_t k, const W* panels, int64_t panel_str
 }
 // --8<-- [end:tile]
 
-// out[:, 0:cols] for all m rows of x against `count` consecutive panels (out's rows are n long). Few rows
-// (a decode) take several panels at once, so that several independent sums are under way.
+// out[:, 0:cols] for all m rows of x against `count` consecutive panels (out's rows are n long).
 template <typename W>
 void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int64_t count, float* out, int64_t n,
                      int64_t cols) {
   const int64_t stride = k * PANEL;
-  for (int64_t p = 0; p < count;) {
-    const int64_t left = count - p, p_cols = std::min<int64_t>(cols - p * PANEL, (m == 1 ? 4 : 1) * PANEL);
-    if (m == 1 && left >= 4) {
-      multiply_tile<1, 4>(x, k, panels + p * stride, stride, out + p * PANEL, n, p_cols);
-      p += 4;
-      continue;
-    }
+  int64_t p = 0;
+  if (m == 1)  // a decode at batch 1: four panels at once, so that eight independent sums are under way
+    for (; p + 4 <= count; p += 4)
+      multiply_tile<1, 4>(x, k, panels + p * stride, stride, out + p * PANEL, n,
+                          std::min<int64_t>(cols - p * PANEL, 4 * PANEL));
+  for (; p < count; ++p) {
+    const W* panel = panels + p * stride;
+    const int64_t panel_cols = std::min<int64_t>(cols - p * PANEL, PANEL);
     for (int64_t r = 0; r < m; r += TILE_ROWS) {
       const float* x_tile = x + r * k;
       float* out_tile = out + r * n + p * PANEL;
-      const W* panel = panels + p * stride;
-      const int64_t panel_cols = std::min<int64_t>(cols - p * PANEL, PANEL);
       switch (std::min<int64_t>(TILE_ROWS, m - r)) {
         case 6: multiply_tile<6, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
         case 5: multiply_tile<5, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols); break;
@@ -117,7 +115,6 @@ void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int6
         default: multiply_tile<1, 1>(x_tile, k, panel, stride, out_tile, n, panel_cols);
       }
     }
-    p += 1;
   }
 }
 

@@ -41,6 +41,20 @@ def test_kernel_equals_float32_arithmetic_rounded_once(bf16_linear, rows, out_fe
     torch.testing.assert_close(out, float32_reference(x, weight, b), rtol=BF16_UNIT, atol=BF16_UNIT)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_single_row_over_four_panels_at_once_ends_in_a_part_filled_panel(bf16_linear, threads):
+    """59 outputs: four panels, the last with 11 columns; one thread takes all four in one go."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(threads)
+        weight, x = torch.randn(59, 40).bfloat16(), torch.randn(1, 40).bfloat16()
+        out = bf16_linear(x, pack_weight(weight), None, 59)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(out, float32_reference(x, weight, None), rtol=BF16_UNIT, atol=BF16_UNIT)
+
+
 def test_leading_dimensions_are_kept(bf16_linear):
     weight, x = torch.randn(40, 24).bfloat16(), torch.randn(2, 3, 24).bfloat16()
     out = bf16_linear(x, pack_weight(weight), None, 40)
