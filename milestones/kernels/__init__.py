@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from .bf16_linear import Bf16Linear
+from .decode_attention import DTYPES as ATTENTION_DTYPES
 from .decode_attention import DecodeKernel, decode_kernel_for, load_decode_kernel
-from .linear_layers import pack_linear_layers_for
+from .linear_layers import pack_linear_layers_for, swap_linear_layers
 from .packed_linear import PackedLinear, onednn_available
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
@@ -27,15 +28,13 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: oneDNN, or in bflo
 __all__ = [
     "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "Bf16Linear", "DecodeKernel", "PackedLinear", "check_attention_backend",
     "check_linear_backend", "decode_kernel_for", "load_decode_kernel", "onednn_available", "pack_linear_layers_for",
+    "swap_linear_layers",
 ]
-
-CPU_DTYPES = (torch.float32, torch.bfloat16)
-
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse an unknown name, or "cpp" where the kernel cannot run."""
     _check_name("attention_backend", backend, ATTENTION_BACKENDS)
-    if backend == "cpp" and (device.type != "cpu" or dtype not in CPU_DTYPES):
+    if backend == "cpp" and (device.type != "cpu" or dtype not in ATTENTION_DTYPES):
         raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 or bfloat16 only "
                          f"(got {device.type}, {dtype}); use 'torch' or 'auto'")
 

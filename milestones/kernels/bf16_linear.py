@@ -28,7 +28,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")  # no fast-ma
 
 
 def load_bf16_linear() -> None:
-    """Build (once per machine) and load the kernel, which defines ``torch.ops.milestones.bf16_linear``."""
+    """Build (once per machine) and load the kernel, which defines ``torch.ops.milestones.bf16_linear``.
+
+    Raises if it cannot be built, and at once on later calls: a failing build is tried once.
+    """
     compile_library(SOURCE, FLAGS)
     _register_shape()
 
@@ -66,17 +69,4 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.milestones.bf16_linear(x, self.packed_weight, self.bias, self.out_features)
         return out.float() if self.logits else out
-
-
-def swap_bf16_linear_layers(model: nn.Module) -> Bf16Linear:
-    """Swap every linear layer of the decoder for a ``Bf16Linear``; return a packed copy of the LM head (float logits).
-
-    The LM head itself stays in the model (it may share its weight with the
-    embedding); the runner calls the packed copy instead of ``compute_logits``.
-    """
-    for parent in list(model.model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Bf16Linear(child))
-    return Bf16Linear(model.lm_head, logits=True)
 # --8<-- [end:bf16_linear]

@@ -32,9 +32,25 @@ def _cpu_identity() -> bytes:
     return f"{platform.machine()} {flags}".encode()
 
 
-@functools.cache
+_build_errors: dict[tuple[Path, tuple[str, ...]], Exception] = {}  # why a build failed in this process
+
+
 def compile_library(source: Path, flags: tuple[str, ...]) -> str:
-    """Compile ``source`` (once per machine: the result is cached on disk) and load it; return the library's path."""
+    """Compile ``source`` (once per machine: the result is cached on disk) and load it; return the library's path.
+
+    Raises if it cannot be built, and at once on later calls: a failing build is tried once per process.
+    """
+    if (source, flags) in _build_errors:
+        raise _build_errors[source, flags]
+    try:
+        return _compile(source, flags)
+    except Exception as error:
+        _build_errors[source, flags] = error
+        raise
+
+
+@functools.cache
+def _compile(source: Path, flags: tuple[str, ...]) -> str:
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH

@@ -25,19 +25,12 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # fast-math lets th
 DTYPES = (torch.float32, torch.bfloat16)  # bfloat16 is read as it is and summed in float32
 
 DecodeKernel = Callable[..., torch.Tensor]  # (q, k, v, block_tables, context_lens, scale) -> out
-_build_error: Exception | None = None  # why the build failed in this process, if it did
 
 
 def load_decode_kernel() -> DecodeKernel:
     """The compiled kernel; raises if it cannot be built, and at once on later calls: a failing build is tried once."""
-    global _build_error
-    if _build_error is None:
-        try:
-            compile_library(SOURCE, FLAGS)
-            return _registered_op()
-        except Exception as error:
-            _build_error = error
-    raise _build_error
+    compile_library(SOURCE, FLAGS)
+    return _registered_op()
 
 
 @functools.cache

@@ -48,19 +48,6 @@ class PackedLinear(nn.Module):
         else:
             out = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return out.float() if self.logits else out
-
-
-def pack_linear_layers(model: nn.Module) -> PackedLinear:
-    """Swap every linear layer of the decoder for a packed one; return a packed copy of the LM head.
-
-    The LM head itself stays in the model (it may share its weight with the
-    embedding); the runner calls the packed copy instead of ``compute_logits``.
-    """
-    for parent in list(model.model.modules()):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
-    return PackedLinear(model.lm_head, logits=True)
 # --8<-- [end:packed_linear]
 
 

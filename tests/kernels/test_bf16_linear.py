@@ -10,6 +10,7 @@ from milestones import m1, m2
 from milestones.kernels import Bf16Linear
 from milestones.kernels.bf16_linear import load_bf16_linear, pack_weight
 from tests.conftest import needs_compiler
+from tests.kernels import assert_one_opaque_op_to_torch_compile
 
 pytestmark = needs_compiler
 BF16_UNIT = 2**-7  # the largest gap between neighbouring bfloat16 numbers, relative (8 significant bits)
@@ -97,16 +98,7 @@ def test_kernel_refuses_bad_input_with_a_clear_error(bf16_linear):
 
 def test_the_kernel_is_one_opaque_op_to_torch_compile(bf16_linear):
     args = (torch.randn(5, 24).bfloat16(), pack_weight(torch.randn(40, 24).bfloat16()), torch.randn(40).bfloat16(), 40)
-    torch.library.opcheck(torch.ops.milestones.bf16_linear.default, args)
-    graphs = []
-
-    def count_graphs(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    compiled = torch.compile(lambda *a: bf16_linear(*a) * 2, backend=count_graphs, fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(*args), bf16_linear(*args) * 2)
-    assert len(graphs) == 1 and "milestones.bf16_linear" in str(graphs[0].graph)
+    assert_one_opaque_op_to_torch_compile(torch.ops.milestones.bf16_linear, args, "milestones.bf16_linear")
 
 
 @pytest.mark.parametrize("mod", [m1, m2], ids=["m1", "m2"])

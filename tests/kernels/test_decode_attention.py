@@ -18,6 +18,7 @@ from milestones import m2
 from milestones.m2.attention import decode_attention
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
+from tests.kernels import assert_one_opaque_op_to_torch_compile
 
 CPU = torch.device("cpu")
 
@@ -81,17 +82,7 @@ def test_the_kernel_is_one_opaque_op_to_torch_compile(kernel):
     """A registered op with a shape rule: torch.compile traces through it without a graph break."""
     k = v = torch.randn(3, 2, 8, 16)
     args = (torch.randn(2, 4, 16), k, v, torch.tensor([[2, 0], [1, 2]]), torch.tensor([5, 16]), 0.25)
-    torch.library.opcheck(torch.ops.milestones.decode_attention.default, args)
-    graphs = []
-
-    def count_graphs(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    compiled = torch.compile(lambda *a: kernel(*a) * 2, backend=count_graphs, fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(*args), kernel(*args) * 2)
-    assert len(graphs) == 1
-    assert "milestones.decode_attention" in str(graphs[0].graph)
+    assert_one_opaque_op_to_torch_compile(torch.ops.milestones.decode_attention, args, "milestones.decode_attention")
 
 
 @needs_compiler
@@ -171,7 +162,7 @@ def test_the_build_waits_on_the_lock_torch_takes(monkeypatch, tmp_path):
     monkeypatch.setattr(cpp_extension, "load_inline", load_inline)
 
     def build():  # __wrapped__: past the per-process cache
-        return kernel_build.compile_library.__wrapped__(decode_attention_build.SOURCE, decode_attention_build.FLAGS)
+        return kernel_build._compile.__wrapped__(decode_attention_build.SOURCE, decode_attention_build.FLAGS)
 
     assert build() == "the library"
     lock = Path(build_dirs[0]) / "lock"
@@ -192,3 +183,19 @@ def test_a_stale_lock_replaced_by_a_new_build_is_left_alone(tmp_path):
     os.utime(lock, ns=(stale.st_mtime_ns + 10**9, stale.st_mtime_ns + 10**9))
     assert not kernel_build._remove_if_unchanged(lock, stale)
     assert lock.exists()
+
+
+def test_a_failing_build_is_tried_once_per_process(monkeypatch):
+    """Every engine of a process without a compiler gets the first build's error at once, not another ~30 s try."""
+    tries = []
+
+    def broken(source, flags):
+        tries.append(source)
+        raise OSError("no C++ compiler found")
+
+    monkeypatch.setattr(kernel_build, "_compile", broken)
+    monkeypatch.setattr(kernel_build, "_build_errors", {})
+    for _ in range(3):
+        with pytest.raises(OSError, match="no C\\+\\+ compiler"):
+            kernel_build.compile_library(decode_attention_build.SOURCE, decode_attention_build.FLAGS)
+    assert len(tries) == 1

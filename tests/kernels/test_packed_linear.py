@@ -70,16 +70,15 @@ def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
     bf16_instructions = False
     monkeypatch.setattr(packed_linear, "onednn_available",
                         lambda dtype=torch.float32: dtype == torch.float32 or bf16_instructions)
-    monkeypatch.setattr(packed_linear, "pack_linear_layers", lambda model: "packed head")
     monkeypatch.setattr(bf16_linear, "load_bf16_linear", lambda: None)
-    monkeypatch.setattr(bf16_linear, "swap_bf16_linear_layers", lambda model: "bf16 head")
+    monkeypatch.setattr(linear_layers, "swap_linear_layers", lambda model, fast_layer: fast_layer.__name__)
     model = object()
-    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "packed head"
-    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "bf16 head"
-    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "bf16 head"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PackedLinear"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "Bf16Linear"
+    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "Bf16Linear"
     bf16_instructions = True
-    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "packed head"
-    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "bf16 head"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PackedLinear"
+    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "Bf16Linear"
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float16) is None
     assert linear_layers.pack_linear_layers_for("auto", model, torch.device("cuda"), torch.float32) is None
     assert linear_layers.pack_linear_layers_for("torch", model, CPU, torch.float32) is None
