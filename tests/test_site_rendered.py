@@ -2,19 +2,22 @@
 
 test_docs_offline.py checks the site's files; this module looks at the pages as rendered. It builds
 the site into a temporary directory, serves it on 127.0.0.1 and loads each page in headless
-Chromium (Debian's ``chromium`` package; ``.ci/run`` installs it) with every host other than
-127.0.0.1 unreachable, so a CDN fetch fails as it would offline. It then reads the DOM after the
-page's scripts ran (``--dump-dom``) and checks that:
+Chromium (Debian's ``chromium`` package; ``.ci/run`` installs it), driven over the DevTools
+protocol by tests/browser.py with every host other than 127.0.0.1 unreachable. For each page it
+checks that:
 
+* the page and its workers requested nothing but the test server's own addresses (the browser
+  reports every request it tries, so a page that asks a CDN for a script fails here whatever the
+  browser then shows for it);
 * every mermaid diagram was drawn: no ``pre.mermaid`` block is left holding its source text, and
   each became material's ``div.mermaid`` with an ``<svg>`` in it;
 * every notebook page shows cell outputs (``.jp-OutputArea-output`` with text).
 
 Material draws each diagram into a *closed* shadow root (``attachShadow({mode: "closed"})``) of a
-new ``div.mermaid``, which ``--dump-dom`` does not serialize: the dump shows only an empty
-``<div class="mermaid"></div>``. So the test server adds one small script to each page it serves
-(the files on disk are untouched) that wraps ``Element.prototype.attachShadow`` and copies the
-shadow root's HTML into a ``data-shadow-html`` attribute of its host, where the dump shows it.
+new ``div.mermaid``, which no script and no DOM dump can read. So the test server adds one small
+script to each page it serves (the files on disk are untouched) that wraps
+``Element.prototype.attachShadow`` and copies the shadow root's HTML into a ``data-shadow-html``
+attribute of its host, where the DOM shows it.
 
 With no ``chromium`` (or ``chromium-browser``) on PATH the tests are skipped.
 """
@@ -30,8 +33,11 @@ import threading
 from functools import partial
 from html.parser import HTMLParser
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+
+from .browser import Browser, Page
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -166,25 +172,22 @@ def base_url(site):
 
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("chromium-profile")
+def browser(tmp_path_factory):
+    with Browser(BROWSER, str(tmp_path_factory.mktemp("chromium-profile"))) as browser:
+        yield browser
 
 
-def rendered_dom(url: str, profile: Path) -> str:
-    """The page's DOM after its scripts ran, from headless Chromium with no network but 127.0.0.1."""
-    command = [
-        BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-        # No network: names other than 127.0.0.1 do not resolve, and anything else goes to a dead proxy.
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-        "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=127.0.0.1",
-        "--virtual-time-budget=10000", "--dump-dom", url,
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "</html>" in result.stdout, (
-        f"chromium could not render {url} (exit {result.returncode}):\n{result.stderr[-3000:]}"
-    )
-    return result.stdout
+# A page is ready once it has loaded and material has turned every mermaid block into a drawn diagram.
+DIAGRAMS_DRAWN = (
+    'document.readyState === "complete" && !document.querySelector("pre.mermaid")'
+    ' && [...document.querySelectorAll("div.mermaid")].every(d => (d.dataset.shadowHtml || "").includes("<svg"))'
+)
+
+
+def foreign(page: Page, base_url: str) -> list[str]:
+    """The requests of a page that went anywhere but the test server (data: and blob: URLs stay in the page)."""
+    home = urlsplit(base_url).netloc
+    return [u for u in page.requests if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).netloc != home]
 
 
 def test_every_built_page_is_checked(site):
@@ -196,24 +199,35 @@ def test_every_built_page_is_checked(site):
     assert built == sorted(PAGES), "the built pages and mkdocs.yml's nav differ: update this test's page list"
 
 
-def test_the_browser_cannot_reach_the_network(profile):
-    dom = rendered_dom("https://unpkg.com/mermaid@11/dist/mermaid.min.js", profile)
-    assert "__esbuild_esm_mermaid_nm" not in dom, "a CDN address loaded in the test browser"
-    assert re.search(r"ERR_[A-Z_]+", dom), "expected chromium's network-error page for a CDN address"
+def test_the_browser_cannot_reach_the_network_and_reports_what_a_page_asks_for(site, base_url, browser):
+    """A page asking a CDN for mermaid: the request is recorded, and the script never arrives."""
+    (site / "network-canary.html").write_text(
+        '<!doctype html><html><head><script src="https://unpkg.com/mermaid@11/dist/mermaid.min.js"></script></head>'
+        '<body><img src="http://cdn.example.org/x.png">'
+        "<script>document.body.dataset.mermaid = typeof mermaid;</script></body></html>"
+    )
+    page = browser.render(base_url + "network-canary.html", ready='document.body.dataset.mermaid !== undefined')
+    assert sorted(foreign(page, base_url)) == ["http://cdn.example.org/x.png",
+                                               "https://unpkg.com/mermaid@11/dist/mermaid.min.js"], page.requests
+    assert 'data-mermaid="undefined"' in page.dom, "a CDN script loaded in the test browser: it reached the network"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p or "index" for p in PAGES])
-def test_page_renders_offline(page, site, base_url, profile):
+def test_page_renders_offline(page, site, base_url, browser):
     source = (site / page / "index.html").read_text(encoding="utf-8")
     diagrams = len(elements(source, "mermaid"))
-    dom = rendered_dom(base_url + page, profile)
+    rendered = browser.render(base_url + page, ready=DIAGRAMS_DRAWN)
+    off_machine = foreign(rendered, base_url)
+    assert not off_machine, f"/{page} asked for addresses off this machine: {off_machine}"
+    dom = rendered.dom
 
     found = elements(dom, "mermaid", tags=("pre",))
     raw = [e for e in found if e["tag"] == "pre" and ("mermaid" in e["classes"] or MERMAID_SOURCE.match(e["text"]))]
     assert not raw, f"{len(raw)} mermaid diagram(s) on /{page} left as raw text: {raw[0]['text'][:80]!r}"
     mermaid = [e for e in found if "mermaid" in e["classes"]]
     drawn = [e for e in mermaid if "<svg" in e["attrs"].get("data-shadow-html", "")]
-    assert len(drawn) == diagrams, f"/{page} has {diagrams} mermaid diagram(s) but {len(drawn)} drawn as SVG"
+    waited = "" if rendered.ready else " (some still drawing when the wait ran out)"
+    assert len(drawn) == diagrams, f"/{page} has {diagrams} mermaid diagram(s) but {len(drawn)} drawn as SVG{waited}"
     broken = [e for e in drawn if "Syntax error" in e["attrs"]["data-shadow-html"]]
     assert not broken, f"{len(broken)} mermaid diagram(s) on /{page} drew mermaid's syntax-error picture"
 
