@@ -93,7 +93,7 @@ gpu-check:
 		--out $(GPU_RESULTS)/benchmark.json --plot
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check milestones tests examples
+	$(VENV)/bin/ruff check milestones tests examples .ci
 
 clean:
 	rm -rf $(VENV) site

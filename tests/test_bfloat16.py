@@ -15,14 +15,18 @@ and the most likely next token (top-1 agreement):
   logits are (mean error within 25%, top-1 agreement at most 2.5 points lower), and agree
   with transformers' bfloat16 top-1 at 95% of positions or more.
 
-The milestone chain in bfloat16 stays token for token as long as no request is preempted:
-a preempted request's keys and values are recomputed in one prefill, where the first time
-they came one decode at a time, and in bfloat16 those round differently (seen here: the
-tiny llama, m3 with 60 blocks of 4, one request diverging at its tenth token).
+The milestone chain in bfloat16 is held to the same tokens up to a near-tie, and to logits within
+two bfloat16 units at every step both engines computed: chunked prefill asks for a masked attention
+where m1 asks for a causal one, and how differently the CPU's kernels round the two depends on its
+instructions. No request may be preempted there: a preempted request's keys and values are
+recomputed in one prefill, where the first time they came one decode at a time, and those round
+differently too (seen here: the tiny llama, m3 with 60 blocks of 4, one request diverging at its
+tenth token).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import pytest
@@ -113,19 +117,81 @@ def test_teacher_forced_logits_match_transformers_in_bfloat16_on_the_bundled_mod
                     report, f"SmolLM2-135M, linear_backend={linear_backend}")
 
 
+class LogitsByContext:
+    """Wraps an engine's sampler to keep, for every context it sampled after, that step's logits (as float32)."""
+
+    def __init__(self, sampler):
+        self.sampler, self.logits = sampler, {}
+
+    def __call__(self, logits, seqs):
+        for row, seq in zip(logits, seqs):
+            self.logits[tuple(seq.token_ids)] = row.float()
+        return self.sampler(logits, seqs)
+
+
+def run_recording(mod, llm, prompts, settings) -> tuple[list, dict]:
+    recorder = llm.engine.runner.sampler = LogitsByContext(llm.engine.runner.sampler)
+    return run(mod, llm, prompts, settings), recorder.logits
+
+
+def bf16_ulp(magnitude: float) -> float:
+    """The gap between neighbouring bfloat16 numbers (8 significant bits) at ``magnitude``."""
+    return 2.0 ** (math.floor(math.log2(max(magnitude, 2.0**-126))) - 7)
+
+
+def assert_same_up_to_rounding(ours, reference, prompts, settings, report, label: str) -> None:
+    """Token for token, except where a request's tokens part at a step whose logits agree within bf16 rounding.
+
+    Every context both engines sampled after (each request's prompt at least, then each agreed prefix) must give
+    logits within two bfloat16 units in the last place of the row's largest logit; a request's tokens may then
+    differ only from such a step on, where the two roundings put a sampled token on either side of a near-tie.
+    """
+    (ours, our_logits), (reference, ref_logits) = ours, reference
+    compared, parted = 0, []
+    for index, (got, want) in enumerate(zip(ours, reference)):
+        agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
+        if agree is None:
+            assert_same_outputs([got], [want], [settings[index]])
+            agree = len(want.token_ids)
+        else:
+            parted.append(f"request {index} at token {agree}")
+        for position in range(min(agree + 1, len(want.token_ids))):
+            context = tuple(prompts[index] + want.token_ids[:position])
+            a, b = our_logits[context], ref_logits[context]
+            worst, tolerance = (a - b).abs().max().item(), 2 * bf16_ulp(b.abs().max().item())
+            assert worst <= tolerance, (
+                f"{label}: request {index} ({settings[index]}), output token {position}: logits differ by up to "
+                f"{worst:.3f}, over two bfloat16 units ({tolerance:.3f}) at the row's largest logit")
+            compared += 1
+    report(f"bf16 chain, {label}: {compared} steps' logits within two bf16 units; "
+           f"{len(ours) - len(parted)} of {len(ours)} requests token for token; parted at a near-tie: "
+           f"{', '.join(parted) or 'none'}")
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_the_chain_holds_in_bfloat16_without_preemption(tiny_model_factory, kind):
+def test_the_chain_holds_in_bfloat16_without_preemption(tiny_model_factory, kind, report):
+    """m2 == m1, m3 == m2, m4 == m2 in bfloat16, up to the rounding of attention summed in other orders.
+
+    Chunked prefill asks SDPA for a masked attention where m1 asks for a causal one, and the CPU's kernels for the
+    two round bfloat16 differently (by how much depends on the CPU's instructions: on an AVX2-only CPU the outputs
+    happened to agree token for token; on one with AVX-512 BF16 one seeded request of the tiny llama parts at its
+    third token, its logits one unit apart). So each pair is held to the same tokens until a near-tie, and to
+    logits within two bfloat16 units at every step both computed.
+    """
     path = tiny_model_factory(kind)
     prompts, settings = mixed_workload(16, seed=3, max_prompt=120, max_output=40)
     limits = dict(device="cpu", max_model_len=256, dtype="bfloat16")
     batching = dict(max_num_seqs=5, max_num_batched_tokens=24)
     # m2 against m1 with the lesson's attention; m3 and m4 against m2 with the compiled decode kernel, which
     # rounds its bfloat16 output from float32 sums where torch rounds along the way (m1 has no such switch)
-    reference = run(m1, m1.LLM(path, **limits), prompts, settings)
+    reference = run_recording(m1, m1.LLM(path, **limits), prompts, settings)
     lesson_attention = m2.LLM(path, **limits, **batching, attention_backend="torch")
-    assert_same_outputs(run(m2, lesson_attention, prompts, settings), reference, settings)
-    reference = run(m2, m2.LLM(path, **limits, **batching), prompts, settings)
+    ours = run_recording(m2, lesson_attention, prompts, settings)
+    assert_same_up_to_rounding(ours, reference, prompts, settings, report, f"{kind}, m2 vs m1")
+    reference = run_recording(m2, m2.LLM(path, **limits, **batching), prompts, settings)
     paged = m3.LLM(path, **limits, **batching, block_size=4)
-    assert_same_outputs(run(m3, paged, prompts, settings), reference, settings)
+    ours = run_recording(m3, paged, prompts, settings)
+    assert_same_up_to_rounding(ours, reference, prompts, settings, report, f"{kind}, m3 vs m2")
     assert paged.engine.kv_usage()["num_preemptions"] == 0
-    assert_same_outputs(run(m4, m4.LLM(path, **limits, **batching), prompts, settings), reference, settings)
+    ours = run_recording(m4, m4.LLM(path, **limits, **batching), prompts, settings)
+    assert_same_up_to_rounding(ours, reference, prompts, settings, report, f"{kind}, m4 vs m2")
