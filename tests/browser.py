@@ -141,6 +141,13 @@ class Browser:
             raise BrowserError(f"{expression[:80]!r} raised: {result['exceptionDetails']}")
         return result["result"].get("value")
 
+    def _loaded(self, session: str, loader: str) -> bool:
+        """Whether the load event came after the navigation ``loader`` committed (not about:blank's, say)."""
+        mine = [e for e in self._events if e.get("sessionId") == session]
+        committed = next((i for i, e in enumerate(mine) if e["method"] == "Page.frameNavigated"
+                          and e["params"]["frame"].get("loaderId") == loader), None)
+        return committed is not None and any(e["method"] == "Page.loadEventFired" for e in mine[committed:])
+
     def render(self, url: str, ready: str = "true", timeout: float = 20.0) -> Page:
         """Load ``url`` in a new tab, wait for its load event and then for ``ready`` (a JS expression) to hold."""
         target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
@@ -151,9 +158,9 @@ class Browser:
             self.send("Network.enable", session=session)
             self.send("Page.enable", session=session)
             self._events.clear()
-            self.send("Page.navigate", {"url": url}, session)
+            loader = self.send("Page.navigate", {"url": url}, session)["loaderId"]
             deadline = time.monotonic() + timeout
-            while not any(e["method"] == "Page.loadEventFired" and e.get("sessionId") == session for e in self._events):
+            while not self._loaded(session, loader):
                 self._receive(deadline)
             done = bool(self._evaluate(ready, session))
             while not done and time.monotonic() < deadline:

@@ -113,6 +113,8 @@ def text_outputs(cell) -> str:
     blocks = []
     for out in merge_streams([dict(o) for o in cell.get("outputs", [])]):
         kind = out.get("output_type")
+        if kind == "stream" and out["name"] == "stderr":
+            continue  # the environment's: a kernel being built on first use, a library's warning; never stored
         if kind == "stream":
             blocks.append(f"[{out['name']}]\n{out['text']}")
         elif kind in ("execute_result", "display_data") and "text/plain" in out.get("data", {}):
