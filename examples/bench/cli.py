@@ -174,13 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     print_preamble(setup, results)
 
     rows = []
+
+    def save_so_far(new_rows: list[dict]) -> None:
+        """Keep what is measured: a run stopped midway (a time limit, a crash) still leaves its finished rows."""
+        rows.extend(new_rows)
+        results["results"] = [{k: v for k, v in r.items() if k != "_tokens"} for r in rows]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+
     for row in args.milestone_rows:
-        rows += milestone_rows.run_milestone(row, setup)
-    rows += hf_rows.run_transformers(setup)
+        save_so_far(milestone_rows.run_milestone(row, setup))
+    save_so_far(hf_rows.run_transformers(setup))
     if args.llama_cpp_rows:  # imported only when asked: llama-cpp-python is an optional extra
         from . import llama_cpp_rows
 
-        rows += llama_cpp_rows.run_llama_cpp(setup)
+        save_so_far(llama_cpp_rows.run_llama_cpp(setup))
     report.add_ratios_to_hf(rows, args.hf_batch_size)
     report.token_agreement(rows)
     report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth, setup.dtype)
@@ -199,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         png = args.out.with_suffix(".png")
         plots.write_plot(results, png)
         print(f"wrote {png}")
-    failed = [r["engine"] for r in rows if r["status"] != "ok"]
+    failed = [f"{r['engine']} ({r['workload']})" for r in rows if r["status"] != "ok"]
     if failed:
-        print(f"note: some rows failed and were skipped ({', '.join(failed)}); their errors are in the JSON")
+        print(f"error: {len(failed)} row(s) failed: {', '.join(failed)}; their errors are in the JSON", file=sys.stderr)
+        return 1
     return 0
 
 

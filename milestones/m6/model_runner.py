@@ -130,7 +130,8 @@ class ModelRunner:
         else:
             self.num_eager_steps += 1
             input_ids, positions, ctx = self.device_inputs(step.forward)
-            hidden = self.model(input_ids, positions, ctx)[step.forward.sample_rows]
+            rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
+            hidden = self.model(input_ids, positions, ctx)[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
             return torch.empty(0, dtype=torch.long, device=self.device)
         tokens = self.sampler(self.compute_logits(hidden), step.samples)

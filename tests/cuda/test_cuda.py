@@ -1,10 +1,14 @@
-"""The CUDA path: the correctness chain again, on the GPU (skipped without one; `make gpu-check` runs it).
+"""The CUDA path: the correctness chain again, on the GPU (skipped without one; tests/gpu_runbook.py runs it).
 
 m1 against transformers' ``generate`` on the same GPU in float32; in bfloat16 (CUDA's default),
 where greedy tokens may part ways, m1 and transformers fed the same tokens, with float32 as the
-yardstick; then every milestone against the one before, in float32 and in bfloat16, on the tiny
-checkpoints and on a seeded random model of SmolLM2-135M's exact shape. Prints the largest logit differences it saw, so
-a GPU run leaves a record of how close the two implementations are.
+yardstick; then every milestone against the one before in float32, token for token, on the tiny
+checkpoints and on a seeded random model of SmolLM2-135M's exact shape. The chain is not compared
+token for token in bfloat16: there SDPA's flash kernel for whole prompts and its masked kernel for
+chunks, and cuBLAS's kernels chosen by batch size, round differently, so tokens part at near-ties
+(tests/test_bfloat16.py shows it on a CPU). bfloat16 is judged by the teacher-forced check, and
+every milestone's default (bfloat16, graphs captured) must run. Prints the largest logit
+differences it saw, so a GPU run leaves a record of how close the two implementations are.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from tests.test_bfloat16 import check_agreement, teacher_forced_logits
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGIT_ATOL = 1e-3  # fp32 on the GPU: other kernels, other summation orders than transformers' (CPU: 1e-4)
 
 
@@ -66,12 +69,11 @@ def test_m1_in_bfloat16_is_as_close_to_float32_as_transformers_on_cuda(tiny_mode
     check_agreement(teacher_forced_logits(path, tokens, device="cuda"), False, report, f"{kind} on CUDA")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm2-135m"])
-def test_the_chain_holds_on_cuda(tiny_model_factory, kind, dtype):
+def test_the_chain_holds_on_cuda(tiny_model_factory, kind):
     """m2 == m1 (queueing, chunked prefill), m3 == m2 (a pool small enough to preempt), m4 == m3 (prefix hits)."""
     path = tiny_model_factory(kind)
-    limits = dict(device="cuda", dtype=dtype, max_model_len=256)
+    limits = dict(device="cuda", dtype="float32", max_model_len=256)
     batching = dict(max_num_seqs=5, max_num_batched_tokens=24)
     prompts, settings = mixed_workload(16, seed=3, max_prompt=120, max_output=40)
     reference = run(m1, m1.LLM(path, **limits), prompts, settings)
@@ -87,39 +89,41 @@ def test_the_chain_holds_on_cuda(tiny_model_factory, kind, dtype):
     cached.engine.scheduler.check_integrity()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["llama", "smollm2-135m"])
-def test_m5_cuda_graphs_match_m4(tiny_model_factory, kind, dtype):
-    """m5's replayed CUDA graphs == m4, on batches that fit a bucket and batches that need padding."""
+def test_m5_cuda_graphs_match_m4(tiny_model_factory, kind):
+    """m5's replayed CUDA graphs == m4, on batches that fit a bucket and batches that need padding.
+
+    Buckets 1 and 4: with 1, 2 and 4 no replayed step of this workload is padded (its schedule replayed on a CPU:
+    22 replays, 0 padded rows), with 1 and 4 the same 22 replays pad 22 rows.
+    """
     path = tiny_model_factory(kind)
-    limits = dict(device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    limits = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
     prompts, settings = mixed_workload(16, seed=3, max_prompt=90, max_output=40)
     reference = run(m4, m4.LLM(path, **limits), prompts, settings)
-    captured = m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4])
+    captured = m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 4])
     assert_same_outputs(run(m5, captured, prompts, settings), reference)
     stats = captured.engine.graph_stats()
     assert stats["replays"] > 0 and stats["padded_rows"] > 0, stats
-    print(f"\n{kind} {dtype}: {stats}")
+    print(f"\n{kind}: {stats}")
     captured.engine.check_integrity()
     assert_same_outputs(run(m5, m5.LLM(path, **limits, enforce_eager=True), prompts, settings), reference)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_m6_matches_m5_on_cuda(tiny_model_factory, dtype, async_scheduling, tmp_path):
+def test_m6_matches_m5_on_cuda(tiny_model_factory, async_scheduling, tmp_path):
     """m6 == m5 on the GPU: the worker's stream, pinned copies, future ids resolved on the device, graphs replayed."""
     path = tiny_model_factory("smollm2-135m")
-    limits = dict(device="cuda", dtype=dtype, max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    limits = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
     prompts, settings = mixed_workload(16, seed=3, max_prompt=90, max_output=40)
-    reference = run(m5, m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4]), prompts, settings)
+    reference = run(m5, m5.LLM(path, **limits, cudagraph_capture_sizes=[1, 4]), prompts, settings)
     trace = tmp_path / "trace.json"
-    with m6.LLM(path, **limits, cudagraph_capture_sizes=[1, 2, 4], async_scheduling=async_scheduling,
+    with m6.LLM(path, **limits, cudagraph_capture_sizes=[1, 4], async_scheduling=async_scheduling,
                 trace_file=str(trace)) as llm:
         assert_same_outputs(run(m6, llm, prompts, settings), reference)
         llm.engine.check_integrity()
         assert llm.engine.graph_stats()["replays"] > 0
         share = hidden_host_share(llm.engine.tracer.events)
-    print(f"\nm6 {dtype} async={async_scheduling}: hidden host share {100 * share:.0f}%")
+    print(f"\nm6 async={async_scheduling}: hidden host share {100 * share:.0f}%")
     assert trace.exists()
 
 

@@ -1,0 +1,173 @@
+"""The GPU runbook: the CUDA checks and the GPU benchmark as separate steps, each writing only under OUT.
+
+A GPU machine comes rarely and briefly here (minutes per command, a handful of commands, results
+back only from one output folder, no package registry), so every step is its own command that
+finishes in a few minutes, writes its files as it goes, and fails on its own without losing the
+others' results. Run from the repository root with the machine's own python3; nothing is installed
+(the repository root is on the path, as ``python3 -m`` puts it there):
+
+    python3 -m tests.gpu_runbook preflight OUT            # GPU, versions, model: refuses early, says why
+    python3 -m tests.gpu_runbook tests OUT --group reference
+    python3 -m tests.gpu_runbook tests OUT --group chain
+    python3 -m tests.gpu_runbook tests OUT --group graphs
+    python3 -m tests.gpu_runbook bench OUT --group graphs  # m5/m6 against their switches off
+    python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
+    python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers
+
+Then ``python examples/gpu_figures.py DIR...`` (here, on the returned folders) puts the figures in the
+docs. ``--device cpu`` rehearses every step on a tiny model and tiny workloads (CI runs it:
+tests/test_gpu_runbook.py), which checks the plumbing, not the speed. Every step sets
+HF_HUB_OFFLINE=1: the model is a seeded random checkpoint of SmolLM2-135M's exact shape, made on
+the machine by tests/checkpoints.py (the bundled model's package is not there), which runs at the
+same speed as the real weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GPU_MODEL = Path("/tmp/milestones-smollm2-135m-random")
+CPU_MODEL = Path("/tmp/milestones-runbook-tiny-llama")  # the rehearsal's: a tiny checkpoint, made in a second
+MIN_VERSIONS = {  # what the code and the tests need, and why
+    "torch": ("2.5", "scaled_dot_product_attention(enable_gqa=...)"),
+    "transformers": ("5.0", "the test checkpoints set only rope_parameters, which 4.x does not read"),
+    "pytest": ("7.0", "the CUDA tests"),
+    "safetensors": ("0.4", "loading checkpoints"),
+}
+
+# The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda/test_cuda.py).
+TEST_GROUPS = {
+    "reference": "m1_matches_transformers or m1_in_bfloat16 or cuda_and_cpu_agree or defaults_on_a_gpu",
+    "chain": "the_chain_holds",
+    "graphs": "m5_ or m6_",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchGroup:
+    engines: str
+    workloads: str
+    flags: tuple[str, ...]  # on the GPU: sized to finish in a few minutes on an H100
+
+
+BENCH_GROUPS = {
+    # The graphs and overlap lessons, each against its own switch turned off.
+    "graphs": BenchGroup("m5,m5@eager,m6,m6@sync", "decode,batch,small",
+                         ("--batch-sizes", "1,4,8", "--max-num-seqs", "64", "--runs", "3")),
+    "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed", ("--batch-sizes", "8,64", "--max-num-seqs", "64")),
+    # m6 and transformers in one run: the ratio is taken inside it.
+    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1")),
+}
+CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
+                       "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
+                       "--output-len-range", "2,6", "--hf-batch-size", "2", "--m1-requests", "3")
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:2] if part.isdigit())
+
+
+def preflight(out: Path, device: str, model: Path) -> int:
+    """Check the machine before spending its minutes: a clear list of what is missing, or the model made ready."""
+    problems, facts = [], {"python": platform.python_version(), "device": device}
+    for package, (least, why) in MIN_VERSIONS.items():
+        try:
+            found = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            problems.append(f"{package} is not installed (needed for {why})")
+            continue
+        facts[package] = found
+        if version_tuple(found) < version_tuple(least):
+            problems.append(f"{package} {found} is older than {least} (needed for {why})")
+    if not problems:
+        import torch
+
+        if device == "cuda" and not torch.cuda.is_available():
+            problems.append(f"torch {torch.__version__} sees no CUDA GPU (torch.version.cuda={torch.version.cuda})")
+        elif device == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            facts["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+            facts["cuda"] = torch.version.cuda
+    if not problems:
+        facts["model"] = str(ensure_model(model, device))
+    report = {"ok": not problems, "problems": problems, "facts": facts}
+    (out / "preflight.json").write_text(json.dumps(report, indent=2) + "\n")
+    for name, value in facts.items():
+        print(f"{name:>13}: {value}")
+    for problem in problems:
+        print(f"missing: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def ensure_model(model: Path, device: str) -> Path:
+    """The random checkpoint the GPU steps use (SmolLM2-135M's shape; a tiny llama for the CPU rehearsal)."""
+    if not (model / "model.safetensors").is_file():
+        from tests.checkpoints import make_checkpoint
+
+        make_checkpoint("smollm2-135m" if device == "cuda" else "llama", model)
+    return model
+
+
+def run_tests(out: Path, group: str) -> int:
+    """One group of the CUDA tests, with a JUnit XML and the whole log under OUT (on a CPU they skip)."""
+    command = [sys.executable, "-m", "pytest", "tests/cuda", "-m", "cuda", "-k", TEST_GROUPS[group], "-v", "-rA",
+               "-s", "-p", "no:cacheprovider", f"--junitxml={out / f'tests-{group}.xml'}"]
+    return logged(command, out / f"tests-{group}.log")
+
+
+def run_bench(out: Path, group: str, device: str, model: Path, engines: str | None) -> int:
+    """One group of benchmark rows; the JSON is rewritten after every row, and a failed row fails the step."""
+    spec = BENCH_GROUPS[group]
+    command = [sys.executable, "examples/benchmark.py", "--model", str(ensure_model(model, device)),
+               "--device", device, "--engines", engines or spec.engines, "--workloads", spec.workloads,
+               *(spec.flags if device == "cuda" else CPU_REHEARSAL_FLAGS), "--out", str(out / f"bench-{group}.json")]
+    return logged(command, out / f"bench-{group}.log")
+
+
+def logged(command: list[str], log: Path) -> int:
+    """Run ``command`` from the repository root, its output shown and kept in ``log``; its exit status."""
+    print("$", " ".join(command), flush=True)
+    with log.open("w") as sink:
+        sink.write("$ " + " ".join(command) + "\n")
+        sink.flush()
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sink.write(line)
+            sink.flush()  # a step killed at its time limit keeps what it printed
+    return process.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("step", choices=["preflight", "tests", "bench"])
+    parser.add_argument("out", type=Path, help="the folder to write into (the one that comes back)")
+    parser.add_argument("--group", help=f"tests: {', '.join(TEST_GROUPS)}; bench: {', '.join(BENCH_GROUPS)}")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: rehearse on a tiny model")
+    parser.add_argument("--model", type=Path, default=None, help="the checkpoint (made if missing)")
+    parser.add_argument("--engines", default=None, help="bench: these rows instead of the group's (re-running one)")
+    args = parser.parse_args(argv)
+    groups = {"tests": TEST_GROUPS, "bench": BENCH_GROUPS}.get(args.step, {})
+    if groups and args.group not in groups:
+        parser.error(f"{args.step} needs --group, one of: {', '.join(groups)}")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # nothing from a hub, for this process and every step it starts
+    args.out.mkdir(parents=True, exist_ok=True)
+    model = args.model or (GPU_MODEL if args.device == "cuda" else CPU_MODEL)
+    if args.step == "preflight":
+        return preflight(args.out, args.device, model)
+    if args.step == "tests":
+        return run_tests(args.out, args.group)
+    return run_bench(args.out, args.group, args.device, model, args.engines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The GPU runbook rehearsed on the CPU (tests/gpu_runbook.py --device cpu), so the GPU's minutes go to measuring.
+
+Each step runs as the runbook's user runs it, a separate command, on a tiny model: it must write its
+files under the folder it is given and nowhere in the repository, exit 0 when all is well, and exit
+non-zero when a benchmark row raised (its JSON still written, with the error).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import needs_compiler
+from tests.gpu_runbook import BENCH_GROUPS, TEST_GROUPS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def runbook(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tests.gpu_runbook", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def repository_changes() -> set[str]:
+    """Paths git sees as changed or new (ignored ones excluded): a step must add none."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO_ROOT,
+                            capture_output=True, text=True)
+    if status.returncode != 0:
+        pytest.skip(f"not a git checkout: {status.stderr.strip()}")
+    return set(status.stdout.splitlines())
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    """The preflight, run once: it makes the tiny model the other steps use."""
+    out, model = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("model") / "tiny"
+    before = repository_changes()
+    proc = runbook("preflight", str(out), "--device", "cpu", "--model", str(model))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert repository_changes() == before
+    return out, model
+
+
+def test_preflight_reports_the_machine_and_makes_the_model(rehearsal):
+    out, model = rehearsal
+    report = json.loads((out / "preflight.json").read_text())
+    assert report["ok"] and not report["problems"]
+    assert {"python", "torch", "transformers", "pytest", "model"} <= set(report["facts"])
+    assert (model / "model.safetensors").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_preflight_refuses_a_machine_without_a_gpu_and_says_so(tmp_path):
+    proc = runbook("preflight", str(tmp_path), "--model", str(tmp_path / "never-made"))
+    assert proc.returncode == 1
+    assert not (tmp_path / "never-made").exists(), "the model is made only once the machine passed"
+    assert "sees no CUDA GPU" in proc.stderr
+    assert json.loads((tmp_path / "preflight.json").read_text())["ok"] is False
+
+
+@pytest.mark.parametrize("group", TEST_GROUPS)
+def test_each_test_group_writes_its_report_under_the_folder(group, tmp_path):
+    before = repository_changes()
+    proc = runbook("tests", str(tmp_path), "--group", group)
+    assert proc.returncode == 0, proc.stdout[-3000:]  # on a CPU every CUDA test skips; 5 would mean none selected
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"tests-{group}.log", f"tests-{group}.xml"]
+    assert "skipped" in (tmp_path / f"tests-{group}.log").read_text()
+    assert repository_changes() == before
+
+
+@needs_compiler  # the graphs group runs m5 and m6, which capture with torch.compile on a CPU
+@pytest.mark.parametrize("group", BENCH_GROUPS)
+def test_each_bench_group_writes_its_rows_under_the_folder(group, rehearsal, tmp_path):
+    _, model = rehearsal
+    before = repository_changes()
+    proc = runbook("bench", str(tmp_path), "--group", group, "--device", "cpu", "--model", str(model))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"bench-{group}.json", f"bench-{group}.log"]
+    rows = json.loads((tmp_path / f"bench-{group}.json").read_text())["results"]
+    engines = BENCH_GROUPS[group].engines.split(",")  # hf-static's rows carry their batch size: hf-static-2
+    assert all(any(r["engine"] == e or r["engine"].startswith(e + "-") for r in rows) for e in engines), rows
+    assert all(r["status"] == "ok" for r in rows)
+    assert repository_changes() == before
+
+
+def test_a_row_that_raises_fails_the_step_and_is_kept_in_the_json(rehearsal, tmp_path):
+    _, model = rehearsal
+    # linear_backend='cpp' is the bfloat16 kernel: in float32 the engine refuses to start, so that row raises.
+    proc = runbook("bench", str(tmp_path), "--group", "eager", "--device", "cpu", "--model", str(model),
+                   "--engines", "m2,m2@linear-cpp")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "row(s) failed: m2@linear-cpp" in proc.stdout  # the step's output, which its log keeps too
+    assert "row(s) failed: m2@linear-cpp" in (tmp_path / "bench-eager.log").read_text()
+    rows = json.loads((tmp_path / "bench-eager.json").read_text())["results"]
+    assert {r["status"] for r in rows if r["engine"] == "m2"} == {"ok"}
+    assert {r["status"] for r in rows if r["engine"] == "m2@linear-cpp"} == {"error"}
+    assert "linear_backend='cpp'" in rows[-1]["error"]
+
+
+def test_groups_need_a_known_name(tmp_path):
+    proc = runbook("bench", str(tmp_path), "--group", "everything")
+    assert proc.returncode == 2 and "bench needs --group, one of: graphs, eager, hf" in proc.stderr
