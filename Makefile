@@ -79,18 +79,17 @@ mutations: model
 bench: model
 	$(PY) examples/benchmark.py
 
-# On a GPU machine, with that machine's own python3 (a CUDA torch, transformers, pytest): no venv, no
-# package registry, no bundled model (a seeded random model of its exact shape runs at the same speed).
+# On a GPU machine, with that machine's own python3 (a CUDA torch, transformers, pytest): no venv, no install, no
+# package registry. The runbook's steps one after the other (docs/setup.md, "On a GPU: the runbook"); where a
+# command may run only minutes, run them one by one instead. Every step runs, and the target fails if any did.
 GPU_PYTHON ?= python3
-GPU_MODEL ?= /tmp/milestones-smollm2-135m-random
-GPU_RESULTS := docs/assets/benchmarks/gpu
+GPU_OUT ?= gpu-results
 gpu-check:
-	$(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(GPU_PYTHON) -m pytest -m cuda tests/cuda -v -rA -s
-	test -f $(GPU_MODEL)/model.safetensors || $(GPU_PYTHON) -m tests.checkpoints smollm2-135m $(GPU_MODEL)
-	$(GPU_PYTHON) examples/benchmark.py --model $(GPU_MODEL) --device cuda --engines all,m5@eager,m6@sync \
-		--workloads decode,batch,mixed,small --batch-sizes 4,8,64 --max-num-seqs 64 \
-		--out $(GPU_RESULTS)/benchmark.json --plot
+	status=0; \
+	$(GPU_PYTHON) -m tests.gpu_runbook preflight $(GPU_OUT) || exit 1; \
+	for group in reference chain graphs; do $(GPU_PYTHON) -m tests.gpu_runbook tests $(GPU_OUT) --group $$group || status=1; done; \
+	for group in graphs eager hf; do $(GPU_PYTHON) -m tests.gpu_runbook bench $(GPU_OUT) --group $$group || status=1; done; \
+	exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check milestones tests examples .ci

@@ -13,7 +13,7 @@ Two families:
 * ``smollm2-135m``: SmolLM2-135M-Instruct's exact shape, for the GPU check. It reads as
   many weight bytes per token as the real model, so it runs at the same speed.
 
-From the command line (``make gpu-check`` uses this for the benchmark):
+From the command line (the GPU runbook's preflight makes one the same way):
 
     python -m tests.checkpoints smollm2-135m /tmp/smollm2-random
 """

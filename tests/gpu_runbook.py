@@ -6,13 +6,15 @@ finishes in a few minutes, writes its files as it goes, and fails on its own wit
 others' results. Run from the repository root with the machine's own python3; nothing is installed
 (the repository root is on the path, as ``python3 -m`` puts it there):
 
-    python3 -m tests.gpu_runbook preflight OUT            # GPU, versions, model: refuses early, says why
-    python3 -m tests.gpu_runbook tests OUT --group reference
-    python3 -m tests.gpu_runbook tests OUT --group chain
-    python3 -m tests.gpu_runbook tests OUT --group graphs
-    python3 -m tests.gpu_runbook bench OUT --group graphs  # m5/m6 against their switches off
-    python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
-    python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers
+# --8<-- [start:steps]
+python3 -m tests.gpu_runbook preflight OUT             # GPU, versions, the model: refuses early, says why
+python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transformers, defaults
+python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
+python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
+python3 -m tests.gpu_runbook bench OUT --group graphs  # m5, m6 against their switches turned off
+python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
+python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers, in one run
+# --8<-- [end:steps]
 
 Then ``python examples/gpu_figures.py DIR...`` (here, on the returned folders) puts the figures in the
 docs. ``--device cpu`` rehearses every step on a tiny model and tiny workloads (CI runs it:
