@@ -135,3 +135,19 @@ def test_a_row_that_raises_fails_the_step_and_is_kept_in_the_json(rehearsal, tmp
 def test_groups_need_a_known_name(tmp_path):
     proc = runbook("bench", str(tmp_path), "--group", "everything")
     assert proc.returncode == 2 and "bench needs --group, one of: graphs, eager, hf" in proc.stderr
+
+
+def collected(*args: str) -> set[str]:
+    command = [sys.executable, "-m", "pytest", "tests/cuda", "--collect-only", "-q", "-p", "no:cacheprovider", *args]
+    proc = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {line for line in proc.stdout.splitlines() if line.startswith("tests/cuda/")}
+
+
+def test_every_cuda_test_is_in_exactly_one_group():
+    """A CUDA test no group selects would never run on the GPU; one in two groups would run twice."""
+    everything = collected()
+    groups = {group: collected("-k", expression) for group, expression in TEST_GROUPS.items()}
+    assert everything and all(groups.values()), groups
+    assert set().union(*groups.values()) == everything, f"in no group: {everything - set().union(*groups.values())}"
+    assert sum(len(tests) for tests in groups.values()) == len(everything), "a test is in two groups"
