@@ -24,5 +24,5 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
     "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "llm.py", "sampler.py",
-           "sequence.py", "scheduler.py", "worker.py", "trace.py"},
+           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "transfer.py", "trace.py"},
 }

@@ -133,7 +133,7 @@ LESSONS: dict[str, tuple[Step, ...]] = {
     "m6": (
         Step("the future map", ("tests/m6/test_future_map.py",),
              "future ids are -1, -2, ...: id -1 - i is place i of the ring",
-             (Exercise("worker.py", "future_map", ("FutureMap.allocate", "FutureMap.resolve_", "FutureMap.store"),
+             (Exercise("future_map.py", "future_map", ("FutureMap.allocate", "FutureMap.resolve_", "FutureMap.store"),
                        "hand out future ids -1, -2, ... around a ring, keep each step's sampled tokens at their "
                        "places, and replace the future ids in a step's input ids by those tokens, on the "
                        "device."),)),

@@ -166,7 +166,7 @@ CATALOGUE = (
         "a replay reads the positions its static buffer held at capture, not this step's",
     ),
     Mutation(
-        "m6-future-off-by-one", "milestones/m6/worker.py",
+        "m6-future-off-by-one", "milestones/m6/future_map.py",
         "found = self.tokens[(-1 - input_ids).clamp(min=0)]", "found = self.tokens[(-input_ids).clamp(min=0)]",
         ("tests/m6/test_future_map.py::test_resolve_replaces_only_future_ids_by_their_stored_tokens",),
         "a future id is resolved to the token in the next slot of the future map",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import filecmp
 from pathlib import Path
 
@@ -49,3 +50,26 @@ def test_milestones_never_import_each_other():
             text = path.read_text()
             others = [m for m in MILESTONES if m != milestone and f"milestones.{m}" in text]
             assert not others, f"{path} imports {others}: each milestone must stand alone"
+
+
+def module_imports(path: Path) -> set[str]:
+    """The sibling modules a module imports (``from .x import ...``), type-only imports included."""
+    return {node.module.split(".")[0] for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+
+
+def test_imports_inside_a_milestone_point_one_way(milestone):  # parametrized by conftest.py
+    """No import cycle, not even through a type hint: a reader can follow the package from the top down."""
+    graph = {path.stem: module_imports(path) for path in (ROOT / milestone).glob("*.py")}
+    done: set[str] = set()
+
+    def visit(module: str, path: tuple[str, ...]) -> None:
+        if module in path:
+            raise AssertionError(f"{milestone}: import cycle {' -> '.join((*path[path.index(module):], module))}")
+        if module not in done:
+            for imported in graph.get(module, ()):
+                visit(imported, (*path, module))
+            done.add(module)
+
+    for module in graph:
+        visit(module, ())

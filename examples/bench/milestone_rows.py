@@ -187,7 +187,7 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
-        if getattr(engine, "in_flight", None):  # m6: a step computes meanwhile, so the clock runs on
+        if getattr(engine, "pending", None):  # m6: a step computes meanwhile, so the clock runs on
             peaks.sample(engine)
             continue
         wall += time.perf_counter() - start

@@ -22,7 +22,6 @@ import random
 import threading
 import time
 import weakref
-from collections import deque
 from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -67,7 +66,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0  # steps processed
         self.num_launched = 0  # steps handed to the forward worker
-        self.in_flight: deque[LaunchedStep] = deque()  # launched, not yet processed: at most two
+        self.pending: LaunchedStep | None = None  # with async scheduling: launched last step, processed this one
         self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
         self.tracer = Tracer(self.config.trace_file is not None)
         self.worker = ForwardWorker(self.runner, self.config.device, self.config.async_scheduling, self.tracer)
@@ -136,18 +135,19 @@ class LLMEngine:
     # --8<-- [start:step]
     @serialized
     def step(self) -> list[RequestOutput]:
-        """Launch the next step, then process the oldest one in flight: with async scheduling, the one before."""
+        """Schedule and launch step N+1, then process step N: the host's work while N+1 computes."""
         start = self.tracer.now()
-        batch = self.scheduler.schedule()  # with overlap: while the step launched last is still computing
-        if batch is not None:
-            self._launch(batch, start)
-        if not self.in_flight or (self.config.async_scheduling and batch is not None and len(self.in_flight) < 2):
-            return []  # the step just launched computes while the caller gets on; its tokens come next time
-        return self._process(self.in_flight.popleft())
+        batch = self.scheduler.schedule()  # with overlap: while step N is still computing
+        ongoing = self._launch(batch, start) if batch is not None else None
+        if self.config.async_scheduling:
+            last, self.pending = self.pending, ongoing  # the lag: this call processes the step launched by the last
+        else:
+            last = ongoing  # m5's loop: wait for the step just launched
+        return self._process(last) if last is not None else []
     # --8<-- [end:step]
 
     # --8<-- [start:launch]
-    def _launch(self, batch: ScheduledBatch, start: float) -> None:
+    def _launch(self, batch: ScheduledBatch, start: float) -> LaunchedStep:
         """Hand the step to the worker, and book now what it will do: its tokens computed, a future id per sample."""
         now = time.perf_counter()
         for seq in batch.seqs:
@@ -162,9 +162,10 @@ class LLMEngine:
                                 inputs.sample_seqs, [seq.num_tokens for seq in inputs.sample_seqs])
         for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
             seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
+            seq.num_pending_tokens += 1
         self.tracer.record("schedule", start, launched.number, len(batch.seqs))  # the host's work up to the launch
         self.worker.submit(launched.number, inputs)
-        self.in_flight.append(launched)
+        return launched
     # --8<-- [end:launch]
 
     # --8<-- [start:process]
@@ -186,7 +187,7 @@ class LLMEngine:
                 continue
             self._accept_token(seq, index, token)
             if seq.is_finished:
-                self._drop_future_tokens(seq)  # the step in flight computes one token too many for it
+                self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)
             outputs.append(RequestOutput.from_sequence(seq))
         self.tracer.record("process", start, launched.number, len(launched.seqs))
@@ -198,6 +199,7 @@ class LLMEngine:
         """Put a sampled token where its future id was and apply the stop rules, in vLLM's order."""
         now = time.perf_counter()
         seq.token_ids[index] = token
+        seq.num_pending_tokens -= 1
         num_tokens = index + 1  # the tokens known so far: any after it belong to a step still in flight
         seq.metrics.first_token_time = seq.metrics.first_token_time or now
         seq.metrics.last_token_time = now
@@ -214,9 +216,10 @@ class LLMEngine:
     # --8<-- [end:stop_rules]
 
     @staticmethod
-    def _drop_future_tokens(seq: Sequence) -> None:
+    def _drop_pending_tokens(seq: Sequence) -> None:
         """Forget the tokens of steps still in flight, and the KV they compute, as if they were never launched."""
-        del seq.token_ids[seq.num_tokens - seq.num_future_tokens :]
+        del seq.token_ids[seq.num_tokens - seq.num_pending_tokens :]
+        seq.num_pending_tokens = 0
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
 
     def _roll_back(self, failed: LaunchedStep) -> None:
@@ -224,13 +227,14 @@ class LLMEngine:
 
         The worker may still be computing those steps. It finishes them before anything launched from now on (it
         keeps launch order), and ``result`` throws their results away."""
-        steps = [failed, *self.in_flight]
-        self.in_flight.clear()
+        steps = [failed] if self.pending is None else [failed, self.pending]
+        self.pending = None
         for launched in reversed(steps):
             for seq, computed in zip(launched.seqs, launched.num_computed_before):
                 if seq.status is SequenceStatus.RUNNING:
                     seq.num_computed_tokens = computed
             for seq, index in zip(launched.sample_seqs, launched.token_indices):
+                seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
                 del seq.token_ids[index:]
 
     @serialized
@@ -240,7 +244,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish("abort")
-        self._drop_future_tokens(seq)
+        self._drop_pending_tokens(seq)
         self.scheduler.finish(seq)
         return RequestOutput.from_sequence(seq)
 
@@ -250,10 +254,11 @@ class LLMEngine:
 
     @serialized
     def close(self) -> None:
-        """Process the steps still in flight, stop the forward worker, write the trace if one was asked for."""
+        """Process the step still in flight, stop the forward worker, write the trace if one was asked for."""
         try:
-            while self.in_flight:
-                self._process(self.in_flight.popleft())  # a step that raises here still lets the worker stop
+            last, self.pending = self.pending, None
+            if last is not None:
+                self._process(last)  # a step that raises here still lets the worker stop
         finally:
             self._stop_worker()
             if self.config.trace_file is not None:

@@ -29,8 +29,8 @@ from tqdm.auto import tqdm
 from milestones.kernels import DecodeKernel
 
 from .attention import AttentionContext, KernelBatch
+from .future_map import FutureMap
 from .model import CausalLM
-from .worker import FutureMap
 
 
 @dataclass(slots=True)

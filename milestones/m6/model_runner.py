@@ -22,12 +22,13 @@ from milestones.kernels import decode_kernel_for, pack_linear_layers_for
 
 from .attention import AttentionContext, KernelBatch, RequestSpan, paged_decode_attention
 from .config import EngineConfig
+from .future_map import FutureMap
 from .graph_runner import DecodeInputs, GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler, SamplingRow
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .worker import FutureMap, to_device
+from .transfer import to_device
 
 
 # --8<-- [start:model_inputs]

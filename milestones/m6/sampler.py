@@ -16,7 +16,7 @@ import torch
 
 from .sampling_params import SamplingParams
 from .sequence import Sequence
-from .worker import to_device
+from .transfer import to_device
 
 
 @dataclass(slots=True, frozen=True)

@@ -118,8 +118,8 @@ class Scheduler:
         """Will the token its step in flight samples end it by length (max_tokens, max_model_len)? Only a stop
         that depends on the token's value (EOS, a stop string) leaves a request in the next step for nothing."""
         max_tokens = seq.params.max_tokens
-        at_max_tokens = max_tokens is not None and seq.num_output_tokens >= max_tokens
-        return seq.num_future_tokens > 0 and (seq.num_tokens >= self.config.max_model_len or at_max_tokens)
+        at_max_tokens = max_tokens is not None and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens
+        return seq.num_pending_tokens > 0 and (seq.num_tokens >= self.config.max_model_len or at_max_tokens)
 
     def _match(self, seq: Sequence) -> None:
         """Start the sequence from its longest cached prefix, leaving at least its last token to compute."""

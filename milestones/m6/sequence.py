@@ -55,6 +55,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt, generated tokens, then future ids (negative)
     num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache once the launched steps have run
     num_processed_tokens: int = 0  # of those, written by steps already processed: what the prefix cache may share
+    num_pending_tokens: int = 0  # sampled by launched steps, not known yet: their future ids end token_ids
     num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -72,21 +73,14 @@ class Sequence:
         return len(self.token_ids)
 
     @property
-    def num_future_tokens(self) -> int:
-        """Tokens of steps still computing: the host holds a negative future id for each, at the end of token_ids."""
-        count = 0
-        while count < self.num_tokens and self.token_ids[-1 - count] < 0:
-            count += 1
-        return count
-
-    @property
     def output_token_ids(self) -> list[int]:
-        """The generated tokens known so far."""
-        return self.token_ids[self.num_prompt_tokens : self.num_tokens - self.num_future_tokens]
+        """The generated tokens known so far (pending ones are not)."""
+        return self.token_ids[self.num_prompt_tokens : self.num_tokens - self.num_pending_tokens]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """The generated tokens known so far (pending ones are not)."""
+        return self.num_tokens - self.num_prompt_tokens - self.num_pending_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -103,10 +97,11 @@ class Sequence:
         assert self.status is status, f"{name} is {self.status.value} but sits among the {status.value} requests"
         assert self.token_ids[: self.num_prompt_tokens] == self.prompt_token_ids, f"{name} lost its prompt"
         # Between steps, only the step in flight has a token the host does not know yet: the last one, if any.
-        num_future = self.num_future_tokens
-        assert num_future <= (1 if status is SequenceStatus.RUNNING else 0), f"{name} has {num_future} unknown tokens"
-        assert all(t >= 0 for t in self.token_ids[: self.num_tokens - num_future]), f"{name}: a future id was left"
-        num_known = self.num_tokens - num_future
+        pending = self.num_pending_tokens
+        assert pending <= (1 if status is SequenceStatus.RUNNING else 0), f"{name} has {pending} pending tokens"
+        num_known = self.num_tokens - pending
+        assert all(t >= 0 for t in self.token_ids[:num_known]) and all(t < 0 for t in self.token_ids[num_known:]), (
+            f"{name}: its future ids are not its last {pending} tokens (num_pending_tokens)")
         assert 0 <= self.num_computed_tokens < self.num_tokens and num_known <= max_model_len, (
             f"{name}: num_computed_tokens={self.num_computed_tokens} must be below its {self.num_tokens} tokens, "
             f"and the {num_known} known ones at most max_model_len={max_model_len}"
@@ -115,7 +110,7 @@ class Sequence:
             f"{name}: num_processed_tokens={self.num_processed_tokens} exceeds num_computed_tokens"
         )
         limit = self.params.max_tokens
-        assert limit is None or len(self.output_token_ids) < limit, f"{name} reached max_tokens without finishing"
+        assert limit is None or self.num_output_tokens < limit, f"{name} reached max_tokens without finishing"
 
 
 def check_sequences(running: list[Sequence], waiting: list[Sequence], max_model_len: int) -> None:

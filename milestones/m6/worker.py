@@ -1,18 +1,14 @@
 """Run the steps on the device while the host gets on with the next one: m6's lesson.
 
-The host launches step N+1 before it has seen step N's tokens, so step N+1's inputs
-cannot hold them: each token a step samples is given a *future id* (a negative number)
-when the step is launched. The host writes that id where the token will go, and the
-``FutureMap`` resolves it on the device, where the token already is, just before the
-step that reads it runs (SGLang's future map).
-
 The ``ForwardWorker`` computes the launched steps one after the other, in order: on a
 CPU in a thread of its own (torch releases the GIL inside its kernels, so the host's
 Python runs meanwhile); on CUDA that thread also works on a stream of its own and
 copies each step's tokens to pinned host memory without waiting for them. Because
 steps run in launch order, a step launched later always sees what an earlier one
 wrote: KV blocks freed by the host while a step still writes them can be handed out
-at once.
+at once. Everything here runs on the worker's thread except ``submit``, ``result`` and
+``close``, which the host calls. Dependencies point one way: this module drives the
+model runner, which never calls back into it.
 """
 
 from __future__ import annotations
@@ -27,37 +23,8 @@ import torch
 
 from .trace import Tracer
 
-if TYPE_CHECKING:  # only for type hints: the model runner imports this module
+if TYPE_CHECKING:  # only for type hints
     from .model_runner import ModelRunner, StepInputs
-
-
-# --8<-- [start:future_map]
-class FutureMap:
-    """The tokens sampled on the device, found by the future ids that stand for them on the host."""
-
-    def __init__(self, size: int, device: torch.device) -> None:
-        # A step's futures are read only by the step launched right after it, and at most max_num_seqs
-        # rows sample per step, so a ring of two steps' worth is never overwritten before it is read.
-        self.tokens = torch.zeros(size, dtype=torch.long, device=device)
-        self.next = 0
-
-    def allocate(self, count: int) -> list[int]:
-        """Future ids for ``count`` tokens about to be sampled (host side): -1, -2, ... wrapping around the ring."""
-        size = self.tokens.shape[0]
-        ids = [-1 - (self.next + i) % size for i in range(count)]
-        self.next = (self.next + count) % size
-        return ids
-
-    def resolve_(self, input_ids: torch.Tensor) -> None:
-        """Replace, in place and on the device, every future id in ``input_ids`` by the token it stands for."""
-        found = self.tokens[(-1 - input_ids).clamp(min=0)]
-        input_ids.copy_(torch.where(input_ids < 0, found, input_ids))
-
-    def store(self, future_ids: list[int], tokens: torch.Tensor) -> None:
-        """Keep a step's sampled tokens where the next step will look for them."""
-        if future_ids:
-            self.tokens[to_device([-1 - future for future in future_ids], torch.long, self.tokens.device)] = tokens
-# --8<-- [end:future_map]
 
 
 @dataclass(slots=True)
@@ -68,14 +35,6 @@ class StepResult:
     tokens: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
     error: BaseException | None = None
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A tensor of ``values`` on ``device``. On CUDA the copy goes through pinned memory and does not wait for the
-    stream: a plain copy from a list would block the worker until the step before has finished computing."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 # --8<-- [start:worker]

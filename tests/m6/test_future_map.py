@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from milestones.m6.worker import FutureMap
+from milestones.m6.future_map import FutureMap
 
 CPU = torch.device("cpu")
 

@@ -39,7 +39,7 @@ def stepped(llm, prompts, settings):
     engine = llm.engine
     ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
     finished = {}
-    while engine.has_unfinished_requests() or engine.in_flight:
+    while engine.has_unfinished_requests() or engine.pending:
         for out in engine.step():
             assert all(t >= 0 for t in out.outputs[0].token_ids), "a future id reached the caller"
             if out.finished:
@@ -137,7 +137,7 @@ def test_a_step_is_in_flight_between_calls(tiny_model_path):
         engine = llm.engine
         engine.add_request("Hello there", m6.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
         assert engine.step() == []  # the prefill computes while the caller gets on
-        assert len(engine.in_flight) == 1
+        assert engine.pending is not None
         outputs = engine.step()  # the first decode launched, the prefill's token processed
         assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 1
         engine.check_integrity()
@@ -150,12 +150,12 @@ def test_abort_while_a_step_is_in_flight(tiny_model_path, mixed, mixed_reference
         ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
         victim = None
         finished = {}
-        while engine.has_unfinished_requests() or engine.in_flight:
+        while engine.has_unfinished_requests() or engine.pending:
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-            running = [s for s in engine.scheduler.running if s.num_future_tokens and s.request_id not in finished]
-            if victim is None and engine.in_flight and running:
+            running = [s for s in engine.scheduler.running if s.num_pending_tokens and s.request_id not in finished]
+            if victim is None and engine.pending and running:
                 victim = running[0].request_id
                 aborted = engine.abort_request(victim)
                 assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
@@ -188,7 +188,7 @@ def test_an_exception_in_the_forward_reaches_the_caller_and_the_engine_stays_usa
         frames = [entry.name for entry in caught.traceback]
         assert "failing_run" in frames, "the worker's traceback was lost"
         llm.engine.check_integrity()
-        assert not llm.engine.has_unfinished_requests() and not llm.engine.in_flight
+        assert not llm.engine.has_unfinished_requests() and not llm.engine.pending
         assert_all_blocks_returned(llm)
         assert_same_outputs(run(m6, llm, *mixed), mixed_reference)
 
@@ -210,7 +210,7 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
         prompts, settings = mixed
         ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
         finished, failures = {}, 0
-        while engine.has_unfinished_requests() or engine.in_flight:
+        while engine.has_unfinished_requests() or engine.pending:
             try:
                 outputs = engine.step()
             except RuntimeError:
@@ -246,7 +246,7 @@ def test_blocks_a_failed_step_was_to_fill_never_reach_the_prefix_cache(tiny_mode
             except RuntimeError:
                 failures += 1
             engine.check_integrity()
-        assert failures == 1 and not engine.in_flight
+        assert failures == 1 and not engine.pending
         assert engine.kv_usage()["blocks_cached"] == 0, "the prefix cache holds blocks that no step wrote"
         engine.runner.execute = real_run
         assert_same_outputs(run(m6, llm, prompt, params), reference)
@@ -262,7 +262,7 @@ def test_an_interrupted_wait_loses_no_step(tiny_model_path, mixed, mixed_referen
         prompts, settings = mixed
         ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
         finished, interruptions = {}, 0
-        while engine.has_unfinished_requests() or engine.in_flight:
+        while engine.has_unfinished_requests() or engine.pending:
             try:
                 outputs = engine.step()
             except KeyboardInterrupt:
@@ -375,7 +375,7 @@ def test_close_stops_the_worker_even_when_the_step_in_flight_failed(tiny_model_p
 
     engine.runner.execute = fails
     engine.add_request("Hello there", m6.SamplingParams(max_tokens=4))
-    assert engine.step() == [] and engine.in_flight  # launched: it fails on the worker, unseen until processed
+    assert engine.step() == [] and engine.pending  # launched: it fails on the worker, unseen until processed
     with pytest.raises(RuntimeError, match="injected"):
         llm.close()
     thread.join(timeout=10)
