@@ -192,6 +192,27 @@ def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
     assert proc.returncode == 2 and "sets one option twice" in proc.stderr
 
 
+def test_interleaved_rows_take_turns_and_report_the_median_round(tiny_model_path, tmp_path):
+    out = tmp_path / "interleaved.json"
+    proc = run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+                      "--engines", "m2,m3", "--workloads", "decode,mixed", "--interleave", "3", "--runs", "1",
+                      "--decode-tokens", "4", "--num-requests", "3", "--prompt-len-range", "4,12",
+                      "--output-len-range", "2,6", "--out", str(out))
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith(("round ", "- m"))]
+    assert rounds[:5] == ["round 1/3", "- m2: decode ...", "- m2: mixed ...", "- m3: decode ...", "- m3: mixed ..."]
+    assert rounds.count("- m3: mixed ...") == 3 and rounds[-1] == "- m3: mixed ..."
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["engine"], r["workload"]) for r in rows] == [("m2", "decode"), ("m2", "mixed"), ("m3", "decode"),
+                                                             ("m3", "mixed")]
+    for row in rows:
+        speeds = sorted(r["tokens_per_s"] for r in row["runs"])
+        assert row["status"] == "ok" and row["interleaved_rounds"] == 3 and len(speeds) == 3
+        assert row["output_tokens_per_s"] == speeds[1]  # the median round
+    bad = subprocess.run([sys.executable, "examples/benchmark.py", "--interleave", "-1"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--interleave must be >= 0" in bad.stderr
+
+
 def test_median_run_picks_the_middle_pass():
     median_run = import_bench("rows").median_run
 

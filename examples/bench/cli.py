@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for the whole run; default: torch's choice")
     g.add_argument("--seed", type=int, default=0, help="seeds the workload and the engines")
+    g.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="milestone rows take turns: every engine loaded at once, then ROUNDS rounds in which each row "
+                        "measures each workload once (--runs and --mixed-runs count per round); the median round")
 
     g = p.add_argument_group("decode workload")
     g.add_argument("--decode-tokens", type=int, default=128, help="forced output tokens per run")
@@ -136,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as err:
         p.error(str(err))
     args.milestones = [row.name for row in args.milestone_rows]
+    if args.interleave < 0:
+        p.error("--interleave must be >= 0 (0: each row measured in turn, its runs back to back)")
     for flag in POSITIVE_FLAGS:
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -182,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
-    for row in args.milestone_rows:
+    if args.interleave:
+        save_so_far(milestone_rows.run_interleaved(args.milestone_rows, setup, args.interleave))
+    for row in [] if args.interleave else args.milestone_rows:
         save_so_far(milestone_rows.run_milestone(row, setup))
     save_so_far(hf_rows.run_transformers(setup))
     if args.llama_cpp_rows:  # imported only when asked: llama-cpp-python is an optional extra

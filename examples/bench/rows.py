@@ -116,7 +116,12 @@ def median_run(run: Callable[[], dict], n: int) -> dict:
         rows.append(run())
         if n > 1:
             print(f"    run {i + 1}/{n}: {rows[-1]['output_tokens_per_s']:.1f} tok/s", flush=True)
-    row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[(n - 1) // 2]
+    return median_pass(rows)
+
+
+def median_pass(rows: list[dict]) -> dict:
+    """The pass with the median output tokens/s (the lower middle one), with every pass's summary under ``runs``."""
+    row = sorted(rows, key=lambda r: r["output_tokens_per_s"])[(len(rows) - 1) // 2]
     row["runs"] = [pass_summary(r) for r in rows]
     row["runs_same_tokens"] = all(r.get("_tokens") == rows[0].get("_tokens") for r in rows)  # greedy: they must agree
     return row
