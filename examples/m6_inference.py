@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --trace {args.trace}: the folder {args.trace.parent} does not exist", file=sys.stderr)
         return 2
     from milestones.m6 import LLM, SamplingParams
-    from milestones.m6.trace import hidden_host_share
+    from milestones.trace import hidden_host_share
 
     try:
         with tempfile.TemporaryDirectory(prefix="m6-trace-") as scratch:

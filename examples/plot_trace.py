@@ -24,7 +24,7 @@ from pathlib import Path
 import _common  # noqa: F401  (makes `milestones` importable from a plain checkout)
 from _common import HelpFormatter
 
-from milestones.m6.trace import TRACKS, hidden_host_share
+from milestones.trace import TRACKS, hidden_host_share
 
 COLOURS = {"schedule": "#4C72B0", "forward": "#DD8452", "process": "#55A868"}
 

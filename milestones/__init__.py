@@ -23,6 +23,6 @@ CHANGED_FILES: dict[str, set[str]] = {
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
-    "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "llm.py", "sampler.py",
-           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "transfer.py", "trace.py"},
+    "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "sampler.py",
+           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "transfer.py"},
 }

@@ -358,7 +358,7 @@ def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     assert "outputs: identical, token for token, for all 8 requests" in out
     printed = [int(x) for x in re.findall(r"^  hidden host share:\s+(\d+)% ", out, re.M)]
     assert len(printed) == 2, out
-    from milestones.m6.trace import hidden_host_share
+    from milestones.trace import hidden_host_share
 
     shares = {}
     for label in ("overlap", "sync"):

@@ -244,7 +244,7 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
         start = time.perf_counter()
     wall += time.perf_counter() - start
     if tracer is not None:
-        from milestones.m6.trace import hidden_host_share
+        from milestones.trace import hidden_host_share
         overlap = {"hidden_host_share": hidden_host_share(tracer.events)}
         tracer.enabled = engine.config.trace_file is not None
     else:

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 import random
 import threading
 import time
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
 
@@ -26,11 +25,10 @@ from .detokenizer import IncrementalDetokenizer
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prompts import Prompt, eos_token_ids, tokenize_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-
-Prompt = str | list[int]
 
 
 # --8<-- [start:serialized]
@@ -50,7 +48,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
         self.config = config.resolve(self.model_config.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.eos_token_ids = _eos_token_ids(path)
+        self.eos_token_ids = eos_token_ids(path)
         self.runner = ModelRunner(self.config, self.model_config, path)
         self.scheduler = Scheduler(self.config)
         self._seeds = random.Random(self.config.seed)
@@ -65,7 +63,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self._tokenize(prompt)
+        token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
@@ -98,25 +96,6 @@ class LLMEngine:
             request_id = str(next(self._ids))
         return request_id
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"the prompt is not valid text: {err.reason} at character {err.start} "
-                                 f"({prompt[err.start:err.end]!r}); remove or replace it") from None
-            token_ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            token_ids = as_token_ids(prompt)
-            if token_ids is None:
-                raise ValueError(f"a prompt must be a string or a list of token ids (integers), got {prompt!r:.80}")
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one character or token id")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {vocab}) for this model; got {bad[:5]}")
-        return token_ids
 
     # --8<-- [start:step]
     @serialized
@@ -177,6 +156,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     @serialized
+    def close(self) -> None:
+        """Nothing to release: the engine runs in the caller's thread. (m6's engine stops its forward worker here.)"""
+
+    @serialized
     def check_integrity(self) -> None:
         """Raise AssertionError if any request's state, or the KV bookkeeping, is inconsistent."""
         self.scheduler.check_integrity()
@@ -193,25 +176,3 @@ class LLMEngine:
             "blocks_free": block_manager.num_free_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
         }
-
-
-def as_token_ids(prompt: object) -> list[int] | None:
-    """A list of Python ints from a list, tuple or 1-D array of integers (NumPy's included); None if it is not one."""
-    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
-        prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)) or any(
-        isinstance(t, bool) or not hasattr(t, "__index__") or getattr(t, "ndim", 0) != 0 for t in prompt
-    ):
-        return None
-    return [operator.index(t) for t in prompt]
-
-
-def _eos_token_ids(path) -> set[int]:
-    """Every end-of-sequence id the model declares (generation config first, as transformers does)."""
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = AutoConfig.from_pretrained(path).eos_token_id
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)

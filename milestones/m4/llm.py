@@ -7,8 +7,9 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine, Prompt, as_token_ids
+from .engine import LLMEngine
 from .outputs import RequestOutput
+from .prompts import Prompt, as_token_ids
 from .sampling_params import SamplingParams
 
 
@@ -27,6 +28,17 @@ class LLM:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
         self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self) -> None:
+        """Release what the engine holds (from m6 on: its forward worker, and the trace if one was asked for).
+        ``with LLM() as llm:`` does it on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # --8<-- [start:generate]
     def generate(

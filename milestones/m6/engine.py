@@ -17,29 +17,27 @@ from __future__ import annotations
 
 import functools
 import itertools
-import operator
 import random
 import threading
 import time
 import weakref
 from dataclasses import dataclass
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
+from milestones.trace import Tracer
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .prompts import Prompt, eos_token_ids, tokenize_prompt
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, SequenceStatus
-from .trace import Tracer
 from .worker import ForwardWorker
-
-Prompt = str | list[int]
 
 
 # --8<-- [start:serialized]
@@ -59,7 +57,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
         self.config = config.resolve(self.model_config.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.eos_token_ids = _eos_token_ids(path)
+        self.eos_token_ids = eos_token_ids(path)
         self.runner = ModelRunner(self.config, self.model_config, path)
         self.scheduler = Scheduler(self.config)
         self._seeds = random.Random(self.config.seed)
@@ -79,7 +77,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        token_ids = self._tokenize(prompt)
+        token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
@@ -112,25 +110,6 @@ class LLMEngine:
             request_id = str(next(self._ids))
         return request_id
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"the prompt is not valid text: {err.reason} at character {err.start} "
-                                 f"({prompt[err.start:err.end]!r}); remove or replace it") from None
-            token_ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            token_ids = as_token_ids(prompt)
-            if token_ids is None:
-                raise ValueError(f"a prompt must be a string or a list of token ids (integers), got {prompt!r:.80}")
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one character or token id")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids must be in [0, {vocab}) for this model; got {bad[:5]}")
-        return token_ids
 
     # --8<-- [start:step]
     @serialized
@@ -199,19 +178,18 @@ class LLMEngine:
         """Put a sampled token where its future id was and apply the stop rules, in vLLM's order."""
         now = time.perf_counter()
         seq.token_ids[index] = token
-        seq.num_pending_tokens -= 1
-        num_tokens = index + 1  # the tokens known so far: any after it belong to a step still in flight
+        seq.num_pending_tokens -= 1  # any tokens after it belong to a step still in flight: not known, not counted
         seq.metrics.first_token_time = seq.metrics.first_token_time or now
         seq.metrics.last_token_time = now
-        seq.metrics.num_output_tokens = num_tokens - seq.num_prompt_tokens
+        seq.metrics.num_output_tokens = seq.num_output_tokens
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             seq.finish("stop")  # the stop token stays in token_ids but adds no text
         elif seq.detokenizer.add_token(token) is not None:
             seq.finish("stop")
-        elif params.max_tokens is not None and seq.metrics.num_output_tokens >= params.max_tokens:
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             seq.finish("length")
-        elif num_tokens >= self.config.max_model_len:
+        elif seq.num_tokens - seq.num_pending_tokens >= self.config.max_model_len:
             seq.finish("length")
     # --8<-- [end:stop_rules]
 
@@ -302,25 +280,3 @@ class LaunchedStep:
     num_computed_after: list[int]  # and after it: processed once the step is
     sample_seqs: list[Sequence]  # the sequences that sample, in the order of the step's tokens
     token_indices: list[int]  # where each sampled token goes in its sequence's token_ids (its future id until then)
-
-
-def as_token_ids(prompt: object) -> list[int] | None:
-    """A list of Python ints from a list, tuple or 1-D array of integers (NumPy's included); None if it is not one."""
-    if hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1:
-        prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)) or any(
-        isinstance(t, bool) or not hasattr(t, "__index__") or getattr(t, "ndim", 0) != 0 for t in prompt
-    ):
-        return None
-    return [operator.index(t) for t in prompt]
-
-
-def _eos_token_ids(path) -> set[int]:
-    """Every end-of-sequence id the model declares (generation config first, as transformers does)."""
-    try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        eos = AutoConfig.from_pretrained(path).eos_token_id
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)

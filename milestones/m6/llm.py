@@ -7,8 +7,9 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import LLMEngine, Prompt, as_token_ids
+from .engine import LLMEngine
 from .outputs import RequestOutput
+from .prompts import Prompt, as_token_ids
 from .sampling_params import SamplingParams
 
 
@@ -29,8 +30,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
-        """Stop the engine's forward worker (and write its trace, if one was asked for). ``with LLM() as llm:``
-        does it on leaving the block."""
+        """Release what the engine holds (from m6 on: its forward worker, and the trace if one was asked for).
+        ``with LLM() as llm:`` does it on leaving the block."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

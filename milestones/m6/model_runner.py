@@ -145,22 +145,25 @@ class ModelRunner:
         """Every request's new tokens, one after the other in one flat batch, and where their keys and values go;
         with the sequences that sample."""
         block_size = self.config.block_size
-        inputs = ModelInputs([], [], [], [], [], [], [])
-        sample_seqs = []
+        input_ids, positions, slot_mapping = [], [], []  # one entry per token
+        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        sample_rows, sample_seqs = [], []
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            row = len(inputs.input_ids)
-            inputs.input_ids += seq.token_ids[start:end]
-            inputs.positions += range(start, end)
-            inputs.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            row = len(input_ids)
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
-            (inputs.decodes if num_new == 1 and self.decode_kernel is not None else inputs.requests).append(span)
+            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
-                inputs.sample_rows.append(row + num_new - 1)
+                sample_rows.append(row + num_new - 1)
                 sample_seqs.append(seq)
-        for span in inputs.requests:  # the torch path gathers every request's blocks in one copy per layer
-            span.first = len(inputs.block_tables) * block_size
-            inputs.block_tables += span.block_table
+        block_tables = []  # the torch path gathers every request's blocks in one copy per layer
+        for span in requests:
+            span.first = len(block_tables) * block_size
+            block_tables += span.block_table
+        inputs = ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows)
         return inputs, sample_seqs
 
     def device_inputs(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .trace import Tracer
+from milestones.trace import Tracer
 
 if TYPE_CHECKING:  # only for type hints
     from .model_runner import ModelRunner, StepInputs

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from milestones import m1, m2, m3, m4, m5, m6
-from milestones.m6.trace import hidden_host_share
+from milestones.trace import hidden_host_share
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.m1.test_vs_transformers import RecordingSampler, varied_prompts
 from tests.m4.test_vs_m3 import shared_prefix_workload

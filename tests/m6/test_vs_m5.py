@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from milestones import m5, m6
-from milestones.m6.trace import hidden_host_share
+from milestones.trace import hidden_host_share
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
 from tests.m4.test_vs_m3 import shared_prefix_workload
