@@ -4,7 +4,8 @@
 changes from the previous one (new files included). Every other file must stay
 byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
 checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
-Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all.
+Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all, as does
+the plumbing every milestone uses alike (``options``, ``transfer``, ``trace``, ``model_store``).
 """
 
 MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6"]
@@ -13,16 +14,16 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
     # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
     # (and the switch that hands every decode of a step to the compiled kernel of milestones.kernels)
-    "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py"},
+    "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "step.py"},
     # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py",
-           "engine.py"},
+           "engine.py", "step.py"},
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting
     "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py",
            "outputs.py"},
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
-    "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py"},
+    "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
     "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "sampler.py",
-           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "transfer.py"},
+           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "step.py"},
 }

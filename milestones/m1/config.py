@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from milestones import options
 from milestones.kernels import check_linear_backend
 
 
@@ -33,10 +34,16 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        options.check(self, OPTIONS)
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)
+
+
+# --8<-- [start:options]
+OPTIONS = {  # what each option's value must be, checked by resolve: a line per option
+    "seed": options.INTEGER,
+}
+# --8<-- [end:options]
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

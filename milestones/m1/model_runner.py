@@ -6,7 +6,6 @@ the whole prompt at prefill, the last sampled token at decode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,21 +16,7 @@ from .attention import AttentionContext
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
-
-
-# --8<-- [start:model_inputs]
-@dataclass(slots=True)
-class ModelInputs:
-    """One step's forward pass, as tensors, and which of its rows predict a new token."""
-
-    input_ids: torch.Tensor  # [num_tokens]: the tokens computed this step
-    positions: torch.Tensor  # [num_tokens]: where each sits in its sequence
-    ctx: AttentionContext  # where attention writes and reads keys and values
-    sample_rows: list[int]  # rows whose output predicts a sequence's next token
-    sample_seqs: list[Sequence]  # the sequence of each of those rows
-# --8<-- [end:model_inputs]
+from .step import ModelInputs, ScheduledBatch
 
 
 class ModelRunner:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from milestones import options
 from milestones.kernels import check_attention_backend, check_linear_backend
 
 DEFAULT_MAX_MODEL_LEN = 2048  # each request's KV slot is this long, so keep the default modest
@@ -38,18 +39,24 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
             )
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+        options.check(self, OPTIONS)
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
                 f"request can decode each step, got {self.max_num_batched_tokens!r}"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
         check_attention_backend(self.attention_backend, device, dtype)  # another one
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)
+
+
+# --8<-- [start:options]
+OPTIONS = {  # what each option's value must be, checked by resolve: a line per option
+    "seed": options.INTEGER,
+    "max_num_seqs": options.POSITIVE,
+    "max_num_batched_tokens": options.POSITIVE,  # and at least max_num_seqs
+}
+# --8<-- [end:options]
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -16,22 +16,13 @@ Each running request owns one contiguous KV slot, sized for ``max_model_len``.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .sequence import Sequence, SequenceStatus, check_sequences
+from .step import ScheduledBatch
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """The work of one step: these sequences, each with this many new tokens, in these KV slots."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    kv_slots: list[int]
 
 
 class Scheduler:

@@ -7,32 +7,18 @@ budget, and each request reaches its keys and values through its block table.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RequestSpan
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
-
-
-# --8<-- [start:model_inputs]
-@dataclass(slots=True)
-class ModelInputs:
-    """One step's forward pass, as tensors, and which of its rows predict a new token."""
-
-    input_ids: torch.Tensor  # [num_tokens]: the tokens computed this step
-    positions: torch.Tensor  # [num_tokens]: where each sits in its sequence
-    ctx: AttentionContext  # where attention writes and reads keys and values
-    sample_rows: list[int]  # rows whose output predicts a sequence's next token
-    sample_seqs: list[Sequence]  # the sequence of each of those rows
-# --8<-- [end:model_inputs]
+from .step import ModelInputs, ScheduledBatch
 
 
 class ModelRunner:
@@ -124,4 +110,4 @@ class ModelRunner:
         return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
 
     def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return to_device(values, torch.long, self.device)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -30,17 +29,7 @@ from milestones.kernels import DecodeKernel
 
 from .attention import AttentionContext, KernelBatch
 from .model import CausalLM
-
-
-@dataclass(slots=True)
-class DecodeInputs:
-    """One decode step on the host, one entry per request: the token, where it goes, what it reads."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]  # block * block_size + offset where each token's key and value are written
-    block_tables: list[list[int]]
-    context_lens: list[int]  # tokens each request attends to, the new one included
+from .step import DecodeInputs
 
 
 class GraphRunner:
@@ -121,7 +110,8 @@ class GraphRunner:
 
     @staticmethod
     def _fill(buffer: torch.Tensor, size: int, values: list) -> None:
-        buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype))
+        """Copy into the static buffer; on CUDA from pinned memory, without waiting for the step before."""
+        buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype, pin_memory=buffer.is_cuda), non_blocking=True)
 
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.sizes[-1]

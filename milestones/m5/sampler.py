@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from milestones.transfer import to_device
+
 from .sequence import Sequence
 
 
@@ -27,8 +29,8 @@ class Sampler:
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
             sampled = [seqs[i] for i in rows]
-            index = torch.tensor(rows, device=self.device)
-            temperature = torch.tensor([s.params.temperature for s in sampled], device=self.device)
+            index = to_device(rows, torch.long, self.device)
+            temperature = to_device([s.params.temperature for s in sampled], torch.float32, self.device)
             probs = self.filtered_probs(logits[index] / temperature[:, None], sampled)
             noise = torch.stack([self.exponential_noise(s, probs.shape[-1]) for s in sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
@@ -44,12 +46,12 @@ class Sampler:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=self.device)
-        k = torch.tensor([vocab if k == -1 else min(k, vocab) for k in top_k], device=self.device)
+        k = to_device([vocab if k == -1 else min(k, vocab) for k in top_k], torch.long, self.device)
         sorted_logits.masked_fill_(rank >= k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
         # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor(top_p, device=self.device)
+        p = to_device(top_p, torch.float32, self.device)
         sorted_logits.masked_fill_(mass_before > p[:, None], float("-inf"))
         filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return filtered.softmax(dim=-1)

@@ -21,24 +21,15 @@ where blocks come from.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
 from .radix_tree import Node, RadixTree
 from .sequence import Sequence, SequenceStatus, check_sequences
+from .step import ScheduledBatch
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """The work of one step: these sequences, each with this many new tokens, and their block tables."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    block_tables: list[list[int]]
 
 
 class Scheduler:

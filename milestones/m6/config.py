@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from milestones import options
 from milestones.kernels import check_attention_backend, check_linear_backend
 
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -48,28 +48,17 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
             )
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < self.max_num_seqs:
+        options.check(self, OPTIONS)
+        if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
                 f"request can decode each step, got {self.max_num_batched_tokens!r}"
             )
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        for name in ("num_kv_blocks", "kv_cache_memory_bytes"):  # None: sized from the budget, or from max_num_seqs
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size > max_len:
             raise ValueError(f"block_size ({self.block_size}) is larger than max_model_len ({max_len}): no request "
                              "could ever fill a block; use a smaller block_size (16 is the default)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
         check_attention_backend(self.attention_backend, device, dtype)  # another one
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             sizes = default_capture_sizes(device, self.max_num_seqs)
@@ -78,16 +67,25 @@ class EngineConfig:
         ):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of batch sizes in [1, max_num_seqs="
                              f"{self.max_num_seqs}], got {sizes!r}")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
-        if self.trace_file is not None and not isinstance(self.trace_file, (str, os.PathLike)):
-            raise ValueError(f"trace_file must be a path (a string), or None for no trace; got {self.trace_file!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if self.scheduling_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
                        cudagraph_capture_sizes=sorted(set(sizes)))
+
+
+# --8<-- [start:options]
+OPTIONS = {  # what each option's value must be, checked by resolve: a line per option
+    "seed": options.INTEGER,
+    "max_num_seqs": options.POSITIVE,
+    "max_num_batched_tokens": options.POSITIVE,  # and at least max_num_seqs
+    "block_size": options.POSITIVE,
+    "num_kv_blocks": options.POSITIVE_OR_NONE,  # None: as many as kv_cache_memory_bytes holds
+    "kv_cache_memory_bytes": options.POSITIVE_OR_NONE,
+    "enable_prefix_caching": options.FLAG,
+    "scheduling_policy": options.one_of("fcfs", "lpm"),
+    "enforce_eager": options.FLAG,
+    "async_scheduling": options.FLAG,
+    "trace_file": options.PATH_OR_NONE,
+}
+# --8<-- [end:options]
 
 
 # --8<-- [start:default_capture_sizes]

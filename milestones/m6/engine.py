@@ -21,7 +21,6 @@ import random
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -35,8 +34,9 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .prompts import Prompt, eos_token_ids, tokenize_prompt
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .step import LaunchedStep, ScheduledBatch
 from .worker import ForwardWorker
 
 
@@ -270,13 +270,3 @@ class LLMEngine:
         }
 
 
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step on the forward worker, not yet processed: what the host must do when its tokens arrive."""
-
-    number: int
-    seqs: list[Sequence]
-    num_computed_before: list[int]  # each sequence's computed tokens before the step: what a failure restores
-    num_computed_after: list[int]  # and after it: processed once the step is
-    sample_seqs: list[Sequence]  # the sequences that sample, in the order of the step's tokens
-    token_indices: list[int]  # where each sampled token goes in its sequence's token_ids (its future id until then)

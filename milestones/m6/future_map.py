@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .transfer import to_device
+from milestones.transfer import to_device
 
 
 # --8<-- [start:future_map]

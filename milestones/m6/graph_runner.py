@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -31,17 +30,7 @@ from milestones.kernels import DecodeKernel
 from .attention import AttentionContext, KernelBatch
 from .future_map import FutureMap
 from .model import CausalLM
-
-
-@dataclass(slots=True)
-class DecodeInputs:
-    """One decode step on the host, one entry per request: the token, where it goes, what it reads."""
-
-    token_ids: list[int]  # negative: a future id, the token the previous step is still sampling
-    positions: list[int]
-    slots: list[int]  # block * block_size + offset where each token's key and value are written
-    block_tables: list[list[int]]
-    context_lens: list[int]  # tokens each request attends to, the new one included
+from .step import DecodeInputs
 
 
 class GraphRunner:

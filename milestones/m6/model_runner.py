@@ -1,11 +1,15 @@
-"""Own the model and its KV pool; turn a scheduled batch into a step, and compute it.
+"""Own the model and its KV pool; turn a scheduled batch into tensors, run it, sample.
 
-As in m5, a step in which every request decodes one token and whose batch fits a
-captured size is replayed; every other step runs eagerly. What m6 changes is who does
-what: ``prepare`` (the host) turns the batch into plain lists, copied, since the host
-changes the sequences while the step runs; ``execute`` (the forward worker) makes them
-tensors, resolves the future ids of tokens the previous step sampled, computes the
-step and samples, leaving the tokens on the device for the step after.
+As in m4, every scheduled token of every request goes into one flat batch, and each
+request reaches its keys and values through its block table. What m5 adds: a step in
+which every request decodes one token, and whose batch fits a captured size, is not
+run operator by operator but replayed by the ``GraphRunner``; every other step (a
+prefill chunk in it, more requests than the largest capture, ``enforce_eager``)
+runs eagerly, exactly as in m4.
+
+m6: the host ``prepare``s a step as plain lists (the host changes the sequences while
+it runs) and the forward worker ``execute``s it: tensors, future ids resolved, forward,
+sampling, the tokens left on the device for the step after.
 """
 
 from __future__ import annotations
@@ -13,51 +17,27 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RequestSpan, paged_decode_attention
 from .config import EngineConfig
 from .future_map import FutureMap
-from .graph_runner import DecodeInputs, GraphRunner
+from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler, SamplingRow
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
-from .transfer import to_device
-
-
-# --8<-- [start:model_inputs]
-@dataclass(slots=True)
-class ModelInputs:
-    """An eager step's forward pass, as host lists the worker makes tensors of, and which rows sample."""
-
-    input_ids: list[int]  # the tokens computed this step (negative: a future id, resolved on the device)
-    positions: list[int]  # where each sits in its sequence
-    slot_mapping: list[int]  # where each token's key and value go
-    block_tables: list[int]  # the blocks of ``requests``, one after the other
-    requests: list[RequestSpan]  # attended one by one
-    decodes: list[RequestSpan]  # attended by the compiled kernel in one call
-    sample_rows: list[int]  # rows whose output predicts a sequence's next token
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step as the host hands it to the forward worker: plain data, never read again by the host."""
-
-    forward: DecodeInputs | ModelInputs  # replayed, or run eagerly
-    samples: list[SamplingRow]  # one per row that samples, in order
-    future_ids: list[int]  # where each sampled token waits on the device for the next step
-    sample_seqs: list[Sequence]  # the host's own record of who samples (the worker reads ``samples``)
-    num_seqs: int  # the batch size, for the trace
-# --8<-- [end:model_inputs]
+from .sampler import Sampler
+from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs
 
 
 class ModelRunner:
+    """Two threads use it: the host calls ``prepare`` (with ``prepare_inputs`` and ``decode_inputs``), the forward
+    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, the graph runner, the
+    sampler, the future map's ``resolve_`` and ``store``)."""
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
         self.config = config
         self.device = config.device
@@ -119,7 +99,8 @@ class ModelRunner:
         if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
             forward, sample_seqs = self.decode_inputs(batch), list(batch.seqs)
         else:
-            forward, sample_seqs = self.prepare_inputs(batch)
+            forward = self.prepare_inputs(batch)
+            sample_seqs = forward.sample_seqs
         return StepInputs(forward, [SamplingRow.of(seq) for seq in sample_seqs],
                           self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
@@ -141,9 +122,8 @@ class ModelRunner:
     # --8<-- [end:execute]
 
     # --8<-- [start:prepare_inputs]
-    def prepare_inputs(self, batch: ScheduledBatch) -> tuple[ModelInputs, list[Sequence]]:
-        """Every request's new tokens, one after the other in one flat batch, and where their keys and values go;
-        with the sequences that sample."""
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
         block_size = self.config.block_size
         input_ids, positions, slot_mapping = [], [], []  # one entry per token
         requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
@@ -163,8 +143,8 @@ class ModelRunner:
         for span in requests:
             span.first = len(block_tables) * block_size
             block_tables += span.block_table
-        inputs = ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows)
-        return inputs, sample_seqs
+        return ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows,
+                           sample_seqs)
 
     def device_inputs(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The eager step's tensors, made on the worker; future ids resolved to the tokens they stand for."""

@@ -10,26 +10,11 @@ that is preempted and recomputed, leaves no random state half-advanced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .sampling_params import SamplingParams
-from .sequence import Sequence
-from .transfer import to_device
+from milestones.transfer import to_device
 
-
-@dataclass(slots=True, frozen=True)
-class SamplingRow:
-    """What sampling reads of a request, copied when its step is launched: the host moves on while it runs."""
-
-    params: SamplingParams
-    seed: int
-    num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
-
-    @classmethod
-    def of(cls, seq: Sequence) -> SamplingRow:
-        return cls(seq.params, seq.seed, seq.num_tokens)
+from .step import SamplingRow
 
 
 class Sampler:

@@ -16,25 +16,17 @@ from __future__ import annotations
 import queue
 import threading
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from milestones.trace import Tracer
 
+from .step import StepResult
+
 if TYPE_CHECKING:  # only for type hints
-    from .model_runner import ModelRunner, StepInputs
-
-
-@dataclass(slots=True)
-class StepResult:
-    """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
-
-    step_number: int
-    tokens: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
-    error: BaseException | None = None
+    from .model_runner import ModelRunner
+    from .step import StepInputs
 
 
 # --8<-- [start:worker]

@@ -1,4 +1,9 @@
-"""Host-to-device copies that do not wait: the one helper every part of a launched step uses to move lists over."""
+"""Host-to-device copies that do not wait: how every milestone moves a step's lists to the device.
+
+A platform matter, not a lesson: until m6 nothing runs while a step is prepared, so waiting would cost
+nothing; from m6 on the host prepares the next step while the device computes, and a copy that waits for
+the device would undo the overlap.
+"""
 
 from __future__ import annotations
 
