@@ -505,3 +505,22 @@ def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
     assert {"fp32-torch", "bf16-torch"} <= ways and ways.isdisjoint(record["left_out"])
     assert ways | set(record["left_out"]) == {"fp32-torch", "bf16-torch", "fp32-onednn", "bf16-onednn", "bf16-cpp"}
     assert "left out" in proc.stdout
+
+
+def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path):
+    """Every category is found (a linear layer's and attention's operators are told apart by where they were called
+    from), the shares add up to the whole step, and the bytes count every weight once plus the keys and values."""
+    out = tmp_path / "profile.json"
+    run_script("examples/profile_step.py", "--model", str(tiny_model_path), "--threads", "1", "--milestones", "m1,m2",
+               "--batch-sizes", "1,3", "--steps", "6", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["copy_bandwidth_gb_per_s"] > 0
+    assert [(row["milestone"], row["batch_size"]) for row in result["rows"]] == [
+        ("m1", 1), ("m2", 1), ("m2", 3)]  # m1 runs one request at a time
+    for row in result["rows"]:
+        shares = row["shares"]
+        assert abs(sum(shares.values()) - 1) < 1e-9, shares
+        assert shares["linear"] > 0 and shares["attention"] > 0 and shares["other ops"] > 0, shares
+        assert row["tokens_per_s"] == pytest.approx(row["batch_size"] / row["step_ms"] * 1e3)
+    one, three = result["rows"][1], result["rows"][2]
+    assert three["bytes_per_step"] > one["bytes_per_step"]  # two more requests' keys and values
