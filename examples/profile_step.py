@@ -39,7 +39,7 @@ import torch
 from _common import HelpFormatter, pick_threads
 
 LINEAR_FILES = ("torch/nn/modules/linear.py", "kernels/packed_linear.py", "kernels/bf16_linear.py")
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "milestones::bf16_linear", "aten::addmm", "aten::mm", "aten::linear")
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "milestones::bf16_linear")  # F.linear's ops are found by their caller
 ATTENTION_OPS = ("milestones::decode_attention", "scaled_dot_product")
 CATEGORIES = ("linear", "attention", "other ops", "python")
 
@@ -83,7 +83,7 @@ def category(event, milestone_dir: str) -> str:
     """Which part of the model an operator belongs to: by its name, else by the Python calls around it."""
     if any(op in event.name for op in ATTENTION_OPS):
         return "attention"
-    if event.name in LINEAR_OPS[:2]:
+    if event.name in LINEAR_OPS:
         return "linear"
     while event is not None:
         if f"{milestone_dir}/attention.py" in event.name:
