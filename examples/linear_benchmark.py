@@ -5,11 +5,12 @@
 
 For each weight shape ([out, in]) and number of rows it times, in one process:
 
-  fp32-onednn   float32 weights packed for oneDNN (linear_backend="onednn", float32's default)
+  fp32-cpp      the compiled panel kernel in float32 (linear_backend="cpp", float32's default)
+  fp32-onednn   float32 weights packed for oneDNN (linear_backend="onednn")
   fp32-torch    float32 F.linear (linear_backend="torch")
   bf16-torch    bfloat16 F.linear: torch's own bfloat16 product
   bf16-onednn   bfloat16 weights packed for oneDNN, where this CPU has bfloat16 instructions
-  bf16-cpp      the compiled bfloat16 kernel (linear_backend="cpp", bfloat16's default without them)
+  bf16-cpp      the compiled panel kernel in bfloat16 (linear_backend="cpp", bfloat16's default without them)
 
 and reports the median of --reps calls after a warm-up. A row that cannot run here
 (no oneDNN bfloat16, no compiler) is left out, with the reason.
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch import nn
 
     from milestones.kernels import PackedLinear, onednn_available
-    from milestones.kernels.bf16_linear import Bf16Linear, load_bf16_linear
+    from milestones.kernels.panel_linear import PanelLinear, load_panel_linear
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     if not onednn_available(torch.bfloat16):
         skipped["bf16-onednn"] = "oneDNN packs bfloat16 only on a CPU with AVX-512 BF16, AMX or AVX-NE-CONVERT"
     try:
-        load_bf16_linear()
+        load_panel_linear()
     except Exception as error:  # no compiler, say
-        skipped["bf16-cpp"] = f"the kernel did not build: {error}"
+        skipped["fp32-cpp"] = skipped["bf16-cpp"] = f"the kernel did not build: {error}"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; left out: {skipped or 'nothing'}")
     results = []
     torch.manual_seed(0)
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         if "bf16-onednn" not in skipped:
             ways["bf16-onednn"] = (PackedLinear(bf16), torch.bfloat16)
         if "bf16-cpp" not in skipped:
-            ways["bf16-cpp"] = (Bf16Linear(bf16), torch.bfloat16)
+            ways["fp32-cpp"] = (PanelLinear(fp32), torch.float32)
+            ways["bf16-cpp"] = (PanelLinear(bf16), torch.bfloat16)
         for m in rows:
             inputs = {dtype: torch.randn(m, in_features).to(dtype) for dtype in (torch.float32, torch.bfloat16)}
             with torch.inference_mode():

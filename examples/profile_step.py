@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 from _common import HelpFormatter, pick_threads
 
-LINEAR_FILES = ("torch/nn/modules/linear.py", "kernels/packed_linear.py", "kernels/bf16_linear.py")
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "milestones::bf16_linear")  # F.linear's ops are found by their caller
+LINEAR_FILES = ("torch/nn/modules/linear.py", "kernels/packed_linear.py", "kernels/panel_linear.py")
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "milestones::panel_linear")  # F.linear's ops are found by their caller
 ATTENTION_OPS = ("milestones::decode_attention", "scaled_dot_product")
 CATEGORIES = ("linear", "attention", "other ops", "python")
 

@@ -24,7 +24,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-auto": ("linear_backend", "auto"),
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),
-    "linear-cpp": ("linear_backend", "cpp"),  # the compiled bfloat16 kernel (with bf16)
+    "linear-cpp": ("linear_backend", "cpp"),  # the compiled panel kernel, float32 or bfloat16
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
     "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others

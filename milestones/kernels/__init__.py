@@ -3,9 +3,9 @@
 * ``attention_backend`` (m2 on): decode attention for every decoding request of a
   step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
   op ``milestones::decode_attention``; "torch" keeps the lesson's own attention.
-* ``linear_backend`` (every milestone): linear layers whose weights are packed once
-  for oneDNN (``packed_linear.py``), or in bfloat16 on a CPU without bfloat16
-  instructions a compiled kernel (``bf16_linear.cpp``); "torch" keeps plain ``F.linear``.
+* ``linear_backend`` (every milestone): linear layers through a compiled kernel over
+  weights packed in panels (``panel_linear.cpp``), or with weights packed once for
+  oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
 
 Both apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them where
 they apply and work, and the plain-torch reference otherwise. The milestones' own
@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import torch
 
-from .bf16_linear import Bf16Linear
 from .decode_attention import DTYPES as ATTENTION_DTYPES
 from .decode_attention import DecodeKernel, decode_kernel_for, load_decode_kernel
 from .linear_layers import pack_linear_layers_for, swap_linear_layers
 from .packed_linear import PackedLinear, onednn_available
+from .panel_linear import DTYPES as PANEL_DTYPES
+from .panel_linear import PanelLinear
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
-LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: oneDNN, or in bfloat16 without bf16 instructions cpp
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, or in bfloat16 with bf16 instructions oneDNN
 
 __all__ = [
-    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "Bf16Linear", "DecodeKernel", "PackedLinear", "check_attention_backend",
+    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "DecodeKernel", "PackedLinear", "PanelLinear", "check_attention_backend",
     "check_linear_backend", "decode_kernel_for", "load_decode_kernel", "onednn_available", "pack_linear_layers_for",
     "swap_linear_layers",
 ]
@@ -40,16 +41,16 @@ def check_attention_backend(backend: str, device: torch.device, dtype: torch.dty
 
 
 def check_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse an unknown name, "onednn" where packed weights cannot run, or "cpp" outside CPU bfloat16."""
+    """Refuse an unknown name, or "onednn" or "cpp" where they cannot run."""
     _check_name("linear_backend", backend, LINEAR_BACKENDS)
     if backend == "onednn" and (device.type != "cpu" or dtype != torch.float32) and not (
         device.type == "cpu" and onednn_available(dtype)
     ):
         raise ValueError(f"linear_backend='onednn' runs on the CPU in float32, or in bfloat16 on a CPU with "
                          f"bfloat16 instructions (got {device.type}, {dtype}); use 'cpp', 'torch' or 'auto'")
-    if backend == "cpp" and (device.type != "cpu" or dtype != torch.bfloat16):
-        raise ValueError(f"linear_backend='cpp' is the bfloat16 kernel for the CPU (got {device.type}, {dtype}); "
-                         "use 'onednn' for float32, or 'torch' or 'auto'")
+    if backend == "cpp" and (device.type != "cpu" or dtype not in PANEL_DTYPES):
+        raise ValueError(f"linear_backend='cpp' runs on the CPU in float32 or bfloat16 only (got {device.type}, "
+                         f"{dtype}); use 'torch' or 'auto'")
 
 
 def _check_name(option: str, backend: str, choices: tuple[str, ...]) -> None:

@@ -1,6 +1,6 @@
 """Compile a C++ kernel library once per machine, cache it on disk, and load it (torch's ``cpp_extension``).
 
-Each kernel (``decode_attention.cpp``, ``bf16_linear.cpp``) is one source file that
+Each kernel (``decode_attention.cpp``, ``panel_linear.cpp``) is one source file that
 registers its torch ops when loaded. torch builds it with the machine's C++ compiler
 the first time and caches it under ``~/.cache/torch_extensions``; the build's name
 carries a hash of the source, the flags and the CPU, so a changed source, other flags

@@ -17,7 +17,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None  # longest prompt + output; None: the model's own limit
     seed: int = 0  # seeds the requests that bring no seed of their own
-    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU bf16 kernel; "auto"
+    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""

@@ -19,7 +19,7 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
     seed: int = 0  # seeds the requests that bring no seed of their own
-    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU bf16 kernel; "auto"
+    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
     attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32/bf16; "auto"

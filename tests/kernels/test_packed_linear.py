@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import milestones.kernels.bf16_linear as bf16_linear
 import milestones.kernels.linear_layers as linear_layers
 import milestones.kernels.packed_linear as packed_linear
+import milestones.kernels.panel_linear as panel_linear
 from milestones import m1, m2
 from milestones.kernels import PackedLinear
 from tests.chain import assert_same_outputs, mixed_workload, run
@@ -66,27 +66,43 @@ def test_m1_packs_too_and_gives_the_same_tokens(tiny_model_path):
 
 
 def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
-    """float32: oneDNN; bfloat16: oneDNN where the CPU has bfloat16 instructions, else the compiled kernel."""
-    bf16_instructions = False
+    """The compiled kernel, but in bfloat16 oneDNN where the CPU has bfloat16 instructions; oneDNN's packed float32
+    weights where the kernel cannot be built."""
+    bf16_instructions, kernel_builds = False, True
+
+    def load_kernel():
+        if not kernel_builds:
+            raise OSError("no C++ compiler found")
+
     monkeypatch.setattr(packed_linear, "onednn_available",
                         lambda dtype=torch.float32: dtype == torch.float32 or bf16_instructions)
-    monkeypatch.setattr(bf16_linear, "load_bf16_linear", lambda: None)
+    monkeypatch.setattr(panel_linear, "load_panel_linear", load_kernel)
     monkeypatch.setattr(linear_layers, "swap_linear_layers", lambda model, fast_layer: fast_layer.__name__)
     model = object()
-    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PackedLinear"
-    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "Bf16Linear"
-    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "Bf16Linear"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PanelLinear"
+    assert linear_layers.pack_linear_layers_for("onednn", model, CPU, torch.float32) == "PackedLinear"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PanelLinear"
+    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "PanelLinear"
     bf16_instructions = True
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PackedLinear"
-    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "Bf16Linear"
+    assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "PanelLinear"
+    kernel_builds = False
+    with pytest.warns(UserWarning, match="use weights packed for oneDNN"):
+        assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PackedLinear"
+    with pytest.raises(RuntimeError, match="could not build the C\\+\\+ linear kernel"):
+        linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.float32)
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float16) is None
     assert linear_layers.pack_linear_layers_for("auto", model, torch.device("cuda"), torch.float32) is None
     assert linear_layers.pack_linear_layers_for("torch", model, CPU, torch.float32) is None
 
 
-def test_auto_falls_back_to_f_linear_without_onednn(monkeypatch, tiny_model_path):
+def test_auto_falls_back_to_f_linear_without_onednn_or_the_kernel(monkeypatch, tiny_model_path):
+    def broken():
+        raise OSError("no C++ compiler found")
+
     monkeypatch.setattr(packed_linear, "onednn_available", lambda dtype=torch.float32: False)
-    with pytest.raises(RuntimeError, match="linear_backend='torch'"):
+    monkeypatch.setattr(panel_linear, "load_panel_linear", broken)
+    with pytest.raises(RuntimeError, match="linear_backend='cpp' or 'torch'"):
         linear_layers.pack_linear_layers_for("onednn", object(), CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain F.linear"):
         llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, linear_backend="auto")
@@ -102,8 +118,8 @@ def test_linear_backend_option_is_checked(tiny_model_path, mod):
         mod.LLM(tiny_model_path, device="cpu", linear_backend="mkl")
     with pytest.raises(ValueError, match="runs on the CPU in float32, or in bfloat16 on a CPU with"):
         mod.LLM(tiny_model_path, device="cpu", dtype="float16", linear_backend="onednn")
-    with pytest.raises(ValueError, match="'cpp' is the bfloat16 kernel for the CPU"):
-        mod.LLM(tiny_model_path, device="cpu", linear_backend="cpp")
+    with pytest.raises(ValueError, match="'cpp' runs on the CPU in float32 or bfloat16 only"):
+        mod.LLM(tiny_model_path, device="cpu", dtype="float16", linear_backend="cpp")
 
 
 @pytest.mark.skipif(not packed_linear.onednn_available(torch.bfloat16),

@@ -70,10 +70,18 @@ def test_prefill_logits_of_every_position_match(tiny_model_factory, kind):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
+# With F.linear our model runs transformers' own operators: logits within 1e-4. The default CPU path's compiled kernel
+# sums every product in its own fixed order, and the differences in the last bits add up over 30 layers: its logits
+# moved up to 1.34e-4 from transformers' (an AVX-512 machine), so it is held to 5e-4, logits being of order 10; the
+# tokens themselves must be the same.
+BUNDLED_LOGITS_ATOL = {"torch": 1e-4, "auto": 5e-4}
+
+
 @pytest.mark.real_model
-def test_bundled_model_matches_transformers(bundled_model_path):
+@pytest.mark.parametrize("linear_backend", ["torch", "auto"])
+def test_bundled_model_matches_transformers(bundled_model_path, linear_backend):
     hf = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", linear_backend=linear_backend)
     recorder = llm.engine.runner.sampler = RecordingSampler(llm.engine.runner.sampler)
     questions = [
         "What is the capital of France?",
@@ -91,7 +99,8 @@ def test_bundled_model_matches_transformers(bundled_model_path):
         ref_tokens, ref_logits = hf_generate(hf, prompt, 40)
         n = len(ref_tokens)  # transformers stops at EOS; we were told to ignore it
         assert n >= 8 and ours.token_ids[:n] == ref_tokens, question
-        torch.testing.assert_close(torch.cat(recorder.logits)[:n], ref_logits, atol=1e-4, rtol=0)
+        atol = BUNDLED_LOGITS_ATOL[linear_backend]
+        torch.testing.assert_close(torch.cat(recorder.logits)[:n], ref_logits, atol=atol, rtol=0)
 
 
 @pytest.mark.real_model

@@ -1,0 +1,191 @@
+// y = x W^T (+ bias) for float32 or bfloat16 x and W, summed in float32: the fast path behind
+// linear_backend="cpp" (panel_linear.py packs the weights, builds this file and registers its op
+// milestones::panel_linear).
+//
+// A decode step at batch 1 reads every weight once and does two flops with it, so it runs at the
+// speed of memory: the kernel's job is to keep the memory busy. The weight comes packed in panels of
+// 16 output columns, [panels, in_features, 16] (panel_linear.py packs it once, at load time): for
+// each k, the 16 weights of a panel sit side by side, so the kernel reads the weight straight
+// through, front to back, once per tile of rows. It takes one x[r][k], broadcast, times the 16
+// weights of k, into the sums of 16 outputs -- the shape of a BLAS inner kernel. A single row (a
+// decode at batch 1) takes four panels at once, so that eight sums are under way while the memory
+// streams the weights in.
+//
+// In float32 a panel's 16 weights of one k are stored even columns first, then odd (0 2 4 .. 14,
+// 1 3 .. 15), the order the sums are kept in. In bfloat16 they are stored in column order, half
+// the bytes, and that is what makes bfloat16 faster on a CPU. A CPU with AVX-512 BF16 or AMX
+// multiplies bfloat16 in hardware; on one without (AVX2, a laptop's NEON) torch's bfloat16 product
+// falls back to slow generic code. This kernel needs no bfloat16 instruction: a bfloat16 number is
+// the top 16 bits of a float32, so it is widened exactly as it is loaded. Read as eight 32-bit
+// words, a bfloat16 panel's k holds an even column in each word's low half and the next odd column
+// in its high half, so a shift left by 16 gives the 8 even columns as floats and a mask the 8 odd
+// ones, without shuffling.
+//
+// Every output is the sum of x[k] * w[k] for k = 0, 1, 2, ... in that order, in float32 (each
+// product fused into the sum), then the bias (and in bfloat16 one rounding). The number of rows,
+// the tiling and the thread do not change that order, so a row's result does not depend on the
+// batch it came in: a request gets the same numbers alone or among sixty others ("batch
+// invariant"). Built without -ffast-math, which would reorder sums.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t PANEL = 16;  // output columns per packed panel: two vectors of 8 floats
+constexpr int TILE_ROWS = 6;   // 6 rows x 2 vectors: 12 sums, 2 weight vectors and a broadcast in 16 registers
+
+typedef float floatx8 __attribute__((vector_size(32)));
+typedef uint32_t uintx8 __attribute__((vector_size(32)));
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a 32-bit word holds its first bfloat16 in its low half");
+
+inline floatx8 load(const float* p) {
+  floatx8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One k of a panel: its 16 weights, as the float32 sums of its even and of its odd columns want them.
+// bfloat16 (the packed weight): 8 32-bit words, each holding column 2j in its low half and 2j + 1 in its
+// high half; a bfloat16 is the top half of a float32, so a shift and a mask widen them exactly.
+inline void load_columns(const c10::BFloat16* p, floatx8& even, floatx8& odd) {
+  uintx8 words;
+  std::memcpy(&words, p, sizeof words);
+  const uintx8 low = words << 16, high = words & 0xFFFF0000u;
+  std::memcpy(&even, &low, sizeof even);
+  std::memcpy(&odd, &high, sizeof odd);
+}
+
+// float32 (a packed float32 weight, or a bfloat16 panel widened once for many rows): the even columns' 8 floats,
+// then the odd columns'.
+inline void load_columns(const float* p, floatx8& even, floatx8& odd) {
+  even = load(p);
+  odd = load(p + 8);
+}
+
+// --8<-- [start:tile]
+// out[r][0:cols] = x[r] . panels for ROWS rows of x (float, k long) against PANELS consecutive panels, each
+// [k, 16] (float or bfloat16, panel_stride apart); cols counts the valid columns of all of them.
+template <int ROWS, int PANELS, typename W>
+void multiply_tile(const float* x, int64_t k, const W* panels, int64_t panel_stride, float* out, int64_t out_stride,
+                   int64_t cols) {
+  floatx8 sums[ROWS][2 * PANELS] = {};
+  for (int64_t i = 0; i < k; ++i) {  // in order of k: every output's sum is the same whatever ROWS and PANELS are
+    for (int p = 0; p < PANELS; ++p) {
+      floatx8 even, odd;
+      load_columns(panels + p * panel_stride + i * PANEL, even, odd);
+      for (int r = 0; r < ROWS; ++r) {
+        const float xr = x[r * k + i];
+        sums[r][2 * p] += xr * even;
+        sums[r][2 * p + 1] += xr * odd;
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = sums[r][2 * (c / PANEL) + c % 2][c % PANEL / 2];
+}
+// --8<-- [end:tile]
+
+// multiply_tile<rows, 1> for a number of rows known only at run time (1 to TILE_ROWS).
+template <int ROWS = TILE_ROWS, typename W>
+void multiply_rows(const float* x, int64_t rows, int64_t k, const W* panel, int64_t stride, float* out, int64_t n,
+                   int64_t cols) {
+  if constexpr (ROWS > 1)
+    if (rows < ROWS) return multiply_rows<ROWS - 1>(x, rows, k, panel, stride, out, n, cols);
+  multiply_tile<ROWS, 1>(x, k, panel, stride, out, n, cols);
+}
+
+// out[:, 0:cols] for all m rows of x against `count` consecutive panels (out's rows are n long).
+template <typename W>
+void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int64_t count, float* out, int64_t n,
+                     int64_t cols) {
+  const int64_t stride = k * PANEL;
+  int64_t p = 0;
+  if (m == 1)  // a decode at batch 1: four panels at once, so that eight independent sums are under way
+    for (; p + 4 <= count; p += 4)
+      multiply_tile<1, 4>(x, k, panels + p * stride, stride, out + p * PANEL, n,
+                          std::min<int64_t>(cols - p * PANEL, 4 * PANEL));
+  for (; p < count; ++p) {
+    const W* panel = panels + p * stride;
+    const int64_t panel_cols = std::min<int64_t>(cols - p * PANEL, PANEL);
+    for (int64_t r = 0; r < m; r += TILE_ROWS) {
+      const float* x_tile = x + r * k;
+      float* out_tile = out + r * n + p * PANEL;
+      multiply_rows(x_tile, std::min<int64_t>(TILE_ROWS, m - r), k, panel, stride, out_tile, n, panel_cols);
+    }
+  }
+}
+
+// out = x W^T, the panels shared out among the threads. A bfloat16 panel that several tiles of rows read is
+// widened to float32 once, into a buffer they then share; otherwise each panel is read straight from the weight.
+template <typename W>
+void multiply(const float* x, int64_t m, int64_t k, const W* w_data, int64_t panels, float* out, int64_t n) {
+  const bool widen_panels = std::is_same_v<W, c10::BFloat16> && m > TILE_ROWS;
+  at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
+    if (!widen_panels) {
+      const int64_t col = first_panel * PANEL;
+      multiply_panels(x, m, k, w_data + first_panel * k * PANEL, end_panel - first_panel, out + col, n,
+                      std::min(n, end_panel * PANEL) - col);
+      return;
+    }
+    std::vector<float> widened(k * PANEL);
+    for (int64_t panel = first_panel; panel < end_panel; ++panel) {
+      const int64_t col = panel * PANEL;
+      const W* w = w_data + panel * k * PANEL;
+      for (int64_t i = 0; i < k * PANEL; i += PANEL) {  // each k: the even columns' 8 floats, then the odd
+        floatx8 even, odd;
+        load_columns(w + i, even, odd);
+        std::memcpy(widened.data() + i, &even, sizeof even);
+        std::memcpy(widened.data() + i + 8, &odd, sizeof odd);
+      }
+      multiply_panels(x, m, k, widened.data(), 1, out + col, n, std::min(PANEL, n - col));
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::optional<torch::Tensor> bias,
+                           int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && packed_weight.device().is_cpu(), "panel_linear runs on the CPU");
+  const at::ScalarType dtype = packed_weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
+              "panel_linear takes x and weight both in float32 or both in bfloat16, got ", x.scalar_type(), " and ",
+              dtype);
+  TORCH_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == PANEL && packed_weight.is_contiguous(),
+              "the weight must come packed by panel_linear.pack_weight: [panels, in_features, 16], contiguous");
+  const int64_t n = out_features, k = packed_weight.size(1), panels = packed_weight.size(0);
+  TORCH_CHECK(n > 0 && (n + PANEL - 1) / PANEL == panels, "out_features (", n, ") does not fit ", panels, " panels");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x's last dimension must be the weight's in_features (", k,
+              "), got ", x.size(-1));
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n),
+              "the bias is a vector of out_features (", n, ") numbers in the weight's dtype");
+
+  const torch::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16: widened once
+  const int64_t m = rows.size(0);
+  torch::Tensor out = torch::empty({m, n}, rows.options());
+  const float* x_data = rows.data_ptr<float>();
+  float* out_data = out.data_ptr<float>();
+  if (dtype == at::kFloat)
+    multiply(x_data, m, k, packed_weight.data_ptr<float>(), panels, out_data, n);
+  else
+    multiply(x_data, m, k, packed_weight.data_ptr<c10::BFloat16>(), panels, out_data, n);
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));  // in float32 (bfloat16: before the one rounding)
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return (dtype == at::kFloat ? out : out.to(at::kBFloat16)).reshape(shape);
+}
+
+// A dispatcher op, so that torch.compile sees one opaque call (its shape rule is registered in panel_linear.py).
+TORCH_LIBRARY_FRAGMENT(milestones, m) {
+  m.def("panel_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(milestones, CPU, m) { m.impl("panel_linear", &panel_linear); }

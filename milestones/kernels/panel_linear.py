@@ -1,0 +1,82 @@
+"""Linear layers through a compiled kernel (``panel_linear.cpp``): the CPU path of ``linear_backend="cpp"``.
+
+A decode step at small batch runs at the speed it reads weights from memory. The
+kernel reads each weight once, front to back, in the order it multiplies: its weights
+are packed once, at load time, in panels of 16 output columns (``pack_weight``), the
+same numbers in the order the kernel streams them. In float32 it reaches closer to
+the machine's memory bandwidth than torch's products at one row. In bfloat16 a weight
+is half the bytes; torch's own bfloat16 product is fast only where the CPU multiplies
+bfloat16 in hardware (AVX-512 BF16, AMX), and elsewhere falls back to generic code,
+slower than float32 once a step has more than a few rows. The kernel widens each
+bfloat16 weight to float32 as it loads it (exact). In both it sums in float32, in one
+fixed order per output whatever the batch (then rounds once to bfloat16). The decoder's
+packed weights replace the originals; the packed LM head is a second copy of the head
+(the embedding keeps the original).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .build import compile_library
+
+SOURCE = Path(__file__).with_name("panel_linear.cpp")
+PANEL = 16  # output columns per packed panel, as in panel_linear.cpp
+DTYPES = (torch.float32, torch.bfloat16)
+FLOAT32_COLUMNS = [*range(0, PANEL, 2), *range(1, PANEL, 2)]  # a float32 panel's order: even columns, then odd
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")  # no fast-math: the order of the sums is fixed
+
+
+def load_panel_linear() -> None:
+    """Build (once per machine) and load the kernel, which defines ``torch.ops.milestones.panel_linear``.
+
+    Raises if it cannot be built, and at once on later calls: a failing build is tried once.
+    """
+    compile_library(SOURCE, FLAGS)
+    _register_shape()
+
+
+@functools.cache
+def _register_shape() -> None:
+    torch.library.register_fake("milestones::panel_linear", _panel_linear_shape)
+
+
+def _panel_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int) -> torch.Tensor:
+    """What the op returns, for tracing without running it: x's rows, out_features wide, in x's dtype."""
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` to ``[panels, in, PANEL]``: a panel's 16 output columns side by side for every k (zero-padded).
+
+    float32 keeps a panel's even columns first, then its odd ones (the kernel's sums); bfloat16 keeps column order.
+    """
+    out_features, in_features = weight.shape
+    panels = -(-out_features // PANEL)
+    padded = torch.zeros(panels * PANEL, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    panel_rows = padded.view(panels, PANEL, in_features)
+    if weight.dtype == torch.float32:
+        panel_rows = panel_rows[:, FLOAT32_COLUMNS]
+    return panel_rows.transpose(1, 2).contiguous()
+
+
+# --8<-- [start:panel_linear]
+class PanelLinear(nn.Module):
+    """``nn.Linear``'s forward through the compiled kernel; ``logits=True`` returns float32 like a head."""
+
+    def __init__(self, linear: nn.Linear, logits: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.logits = linear.in_features, linear.out_features, logits
+        self.packed_weight = pack_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.milestones.panel_linear(x, self.packed_weight, self.bias, self.out_features)
+        return out.float() if self.logits else out
+# --8<-- [end:panel_linear]
