@@ -8,7 +8,8 @@ Run from the repository root:
     python examples/m6_inference.py --no-async               # m5's loop: schedule, launch, wait, process
     python examples/m6_inference.py --enforce-eager          # no capture: start at once, every step eager
 
-With ``async_scheduling`` (the default) the engine launches step N+1 on its forward
+With ``async_scheduling`` (on in this demo; the engine's default turns it on on CUDA only,
+since on a CPU the worker's threads compete with the caller's) the engine launches step N+1 on its forward
 worker before it processes step N's tokens: the scheduler's work and the stop rules,
 detokenizing and freeing run on the host while the worker computes. The tokens that
 step N+1 needs from step N are not known on the host when it is launched; they are

@@ -25,6 +25,7 @@ def _is_int(value: object) -> bool:
 
 
 FLAG = Kind(lambda v: isinstance(v, bool), "True or False")
+FLAG_OR_AUTO = Kind(lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
 INTEGER = Kind(_is_int, "an integer")
 POSITIVE = Kind(lambda v: _is_int(v) and v >= 1, "a positive integer")
 POSITIVE_OR_NONE = Kind(lambda v: v is None or (_is_int(v) and v >= 1), "a positive integer, or None")

@@ -120,16 +120,16 @@ def test_the_figures_script_turns_the_returned_folders_into_the_docs_summary(reh
 
 def test_a_row_that_raises_fails_the_step_and_is_kept_in_the_json(rehearsal, tmp_path):
     _, model = rehearsal
-    # linear_backend='cpp' is the bfloat16 kernel: in float32 the engine refuses to start, so that row raises.
+    # enforce_eager is m5's option: m2 refuses to start with it, so that row raises.
     proc = runbook("bench", str(tmp_path), "--group", "eager", "--device", "cpu", "--model", str(model),
-                   "--engines", "m2,m2@linear-cpp")
+                   "--engines", "m2,m2@eager")
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert "row(s) failed: m2@linear-cpp" in proc.stdout  # the step's output, which its log keeps too
-    assert "row(s) failed: m2@linear-cpp" in (tmp_path / "bench-eager.log").read_text()
+    assert "row(s) failed: m2@eager" in proc.stdout  # the step's output, which its log keeps too
+    assert "row(s) failed: m2@eager" in (tmp_path / "bench-eager.log").read_text()
     rows = json.loads((tmp_path / "bench-eager.json").read_text())["results"]
     assert {r["status"] for r in rows if r["engine"] == "m2"} == {"ok"}
-    assert {r["status"] for r in rows if r["engine"] == "m2@linear-cpp"} == {"error"}
-    assert "linear_backend='cpp'" in rows[-1]["error"]
+    assert {r["status"] for r in rows if r["engine"] == "m2@eager"} == {"error"}
+    assert "enforce_eager" in rows[-1]["error"]
 
 
 def test_groups_need_a_known_name(tmp_path):

@@ -234,7 +234,7 @@ def test_a_failing_step_gives_500_and_the_server_serves_on(tiny_model_path):
 def test_shutting_down_aborts_open_streams_and_stops_the_engine(tiny_model_path):
     from milestones import m6
 
-    llm = slowed(m6.LLM(tiny_model_path, **LIMITS), seconds=0.05)
+    llm = slowed(m6.LLM(tiny_model_path, async_scheduling=True, **LIMITS), seconds=0.05)
     with contextlib.ExitStack() as open_stream:
         with serving(llm) as (url, app):
             body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}

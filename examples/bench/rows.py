@@ -26,7 +26,8 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-onednn": ("linear_backend", "onednn"),
     "linear-cpp": ("linear_backend", "cpp"),  # the compiled panel kernel, float32 or bfloat16
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
-    "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap
+    "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap (the default on a CPU)
+    "async": ("async_scheduling", True),  # m6: overlap (the default on CUDA)
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
     "fp32": ("dtype", "float32"),
 }

@@ -30,7 +30,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
     enforce_eager: bool = False  # True: never capture, every step runs eagerly as in m4
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: default_capture_sizes
-    async_scheduling: bool = True  # overlap: schedule the next step while this one computes; False: m5's loop
+    async_scheduling: bool | str = "auto"  # overlap: schedule the next step while this one computes; "auto": on CUDA
     trace_file: str | None = None  # write a Chrome trace (schedule / forward / process per step) here on close
 
     def resolve(self, model_max_len: int) -> EngineConfig:
@@ -67,8 +67,11 @@ class EngineConfig:
         ):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of batch sizes in [1, max_num_seqs="
                              f"{self.max_num_seqs}], got {sizes!r}")
+        # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
+        # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
+        overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
-                       cudagraph_capture_sizes=sorted(set(sizes)))
+                       cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap)
 
 
 # --8<-- [start:options]
@@ -82,7 +85,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "enable_prefix_caching": options.FLAG,
     "scheduling_policy": options.one_of("fcfs", "lpm"),
     "enforce_eager": options.FLAG,
-    "async_scheduling": options.FLAG,
+    "async_scheduling": options.FLAG_OR_AUTO,  # "auto": True on CUDA, False on a CPU (see resolve)
     "trace_file": options.PATH_OR_NONE,
 }
 # --8<-- [end:options]

@@ -10,7 +10,8 @@ the engine's lock (``LLM.generate`` holds it for its whole run).
 m6: with ``async_scheduling`` a step is launched on the forward worker and processed
 one ``step()`` later, after the next one has been scheduled and launched: the host's
 work happens while the device computes. A request that finishes in step N is already
-in step N+1; that extra token is dropped.
+in step N+1; that extra token is dropped. It is on by default on CUDA only: on a CPU
+the worker's threads compete with the caller's for the same cores.
 """
 
 from __future__ import annotations
@@ -268,5 +269,3 @@ class LLMEngine:
             "num_preemptions": scheduler.num_preemptions,
             "prefix_hit_rate": scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens),
         }
-
-

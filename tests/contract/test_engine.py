@@ -130,9 +130,10 @@ def test_kv_usage_reports_reserved_and_used_memory(mod, tiny_llm):
     assert engine.kv_usage()["used_bytes"] == 0
 
 
-def test_every_llm_closes_and_is_a_context_manager(mod, tiny_model_path):
+def test_every_llm_closes_and_is_a_context_manager(mod, tiny_model_path, lesson_options):
     """The same API in every milestone: m6 stops its forward worker on close, earlier ones have nothing to release."""
-    with mod.LLM(tiny_model_path, device="cpu", max_model_len=512) as llm:  # tiny_llm's options: a capture is cached
+    # tiny_llm's options: a capture is cached
+    with mod.LLM(tiny_model_path, device="cpu", max_model_len=512, **lesson_options) as llm:
         out = llm.generate([[5, 6, 7]], mod.SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     llm.close()  # a second close is harmless

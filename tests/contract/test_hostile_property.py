@@ -69,8 +69,9 @@ def small_engine_options(mod) -> dict:
 
 
 @pytest.fixture(scope="module")
-def small_llm(mod, tiny_model_path):
-    return mod.LLM(tiny_model_path, device="cpu", max_model_len=MAX_MODEL_LEN, **small_engine_options(mod))
+def small_llm(mod, tiny_model_path, lesson_options):
+    return mod.LLM(tiny_model_path, device="cpu", max_model_len=MAX_MODEL_LEN, **small_engine_options(mod),
+                   **lesson_options)
 
 
 def refused_clearly(err: ValueError) -> bool:

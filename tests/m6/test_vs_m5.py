@@ -13,6 +13,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from milestones import m5, m6
 from milestones.trace import hidden_host_share
@@ -107,7 +108,7 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
     reference_llm = m5.LLM(tiny_model_path, **small_blocks)  # a fresh cache, to compare with m6's at the end
     reference = run(m5, reference_llm, prompts, settings)
     assert {reason for _, reason, _ in reference} == {"stop", "length"}
-    with m6.LLM(tiny_model_path, **small_blocks) as llm:
+    with m6.LLM(tiny_model_path, async_scheduling=True, **small_blocks) as llm:
         ours = stepped(llm, prompts, settings)
         assert_same_outputs(ours, reference)
         # A finished request caches what m5 would: not the token its lag step was computing.
@@ -127,13 +128,13 @@ def test_a_request_finishing_by_length_gives_up_its_place_at_once(tiny_model_pat
     few_places = dict(EAGER, max_num_seqs=3)
     reference_llm = m5.LLM(tiny_model_path, **few_places)
     reference = run(m5, reference_llm, prompts, settings)
-    with m6.LLM(tiny_model_path, **few_places) as llm:
+    with m6.LLM(tiny_model_path, async_scheduling=True, **few_places) as llm:
         assert_same_outputs(stepped(llm, prompts, settings), reference)
         assert llm.engine.num_steps == reference_llm.engine.num_steps
 
 
 def test_a_step_is_in_flight_between_calls(tiny_model_path):
-    with m6.LLM(tiny_model_path, **EAGER) as llm:
+    with m6.LLM(tiny_model_path, async_scheduling=True, **EAGER) as llm:
         engine = llm.engine
         engine.add_request("Hello there", m6.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
         assert engine.step() == []  # the prefill computes while the caller gets on
@@ -145,7 +146,7 @@ def test_a_step_is_in_flight_between_calls(tiny_model_path):
 
 def test_abort_while_a_step_is_in_flight(tiny_model_path, mixed, mixed_reference):
     prompts, settings = mixed
-    with m6.LLM(tiny_model_path, **EAGER) as llm:
+    with m6.LLM(tiny_model_path, async_scheduling=True, **EAGER) as llm:
         engine = llm.engine
         ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
         victim = None
@@ -296,7 +297,7 @@ class Halt(BaseException):
 
 
 def test_a_base_exception_in_the_forward_reaches_the_caller(tiny_model_path, mixed, mixed_reference):
-    with m6.LLM(tiny_model_path, **EAGER) as llm:
+    with m6.LLM(tiny_model_path, async_scheduling=True, **EAGER) as llm:
         real_run = llm.engine.runner.execute
 
         def halts(inputs):
@@ -313,7 +314,7 @@ def test_a_base_exception_in_the_forward_reaches_the_caller(tiny_model_path, mix
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the death is the point
 def test_a_dead_worker_is_reported_not_waited_for(tiny_model_path):
-    llm = m6.LLM(tiny_model_path, **EAGER)
+    llm = m6.LLM(tiny_model_path, async_scheduling=True, **EAGER)
 
     def dies(step_number, inputs):
         raise SystemExit  # ends the worker's thread without a result
@@ -343,7 +344,7 @@ def mixed_as_params(mixed):
 
 def test_no_thread_is_left_behind(tiny_model_path):
     before = set(threading.enumerate())
-    llm = m6.LLM(tiny_model_path, **EAGER)
+    llm = m6.LLM(tiny_model_path, async_scheduling=True, **EAGER)
     worker_thread = llm.engine.worker.thread
     assert worker_thread.is_alive()
     llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)
@@ -353,10 +354,10 @@ def test_no_thread_is_left_behind(tiny_model_path):
     with pytest.raises(RuntimeError, match="closed"):
         llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)  # refused, not a hang
     llm.engine.check_integrity()
-    with m6.LLM(tiny_model_path, **EAGER) as llm:
+    with m6.LLM(tiny_model_path, async_scheduling=True, **EAGER) as llm:
         second = llm.engine.worker.thread
     assert not second.is_alive()
-    forgotten = m6.LLM(tiny_model_path, **EAGER).engine.worker.thread
+    forgotten = m6.LLM(tiny_model_path, async_scheduling=True, **EAGER).engine.worker.thread
     gc.collect()
     forgotten.join(timeout=10)
     assert not forgotten.is_alive(), "an engine nobody holds kept its thread"
@@ -367,7 +368,7 @@ def test_no_thread_is_left_behind(tiny_model_path):
 
 def test_close_stops_the_worker_even_when_the_step_in_flight_failed(tiny_model_path, tmp_path):
     trace = tmp_path / "trace.json"
-    llm = m6.LLM(tiny_model_path, trace_file=str(trace), **EAGER)
+    llm = m6.LLM(tiny_model_path, async_scheduling=True, trace_file=str(trace), **EAGER)
     engine, thread = llm.engine, llm.engine.worker.thread
 
     def fails(inputs):
@@ -415,3 +416,11 @@ def test_hidden_host_share_measures_overlap():
 def test_async_scheduling_is_checked(tiny_model_path, value):
     with pytest.raises(ValueError, match="async_scheduling"):
         m6.LLM(tiny_model_path, async_scheduling=value, **EAGER)
+
+
+def test_auto_overlaps_on_cuda_only():
+    """On a CPU the worker's OpenMP team competes with the caller's for the cores (see the m6 page's benchmark)."""
+    assert m6.EngineConfig(device="cpu").resolve(model_max_len=64).async_scheduling is False
+    assert m6.EngineConfig(device="cpu", async_scheduling=True).resolve(model_max_len=64).async_scheduling is True
+    if torch.cuda.is_available():
+        assert m6.EngineConfig(device="cuda").resolve(model_max_len=64).async_scheduling is True
