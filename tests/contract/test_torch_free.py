@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TORCH_FREE = ["scheduler.py", "sequence.py", "block_manager.py", "radix_tree.py", "step.py"]
+TORCH_FREE = ["scheduler.py", "sequence.py", "block_manager.py", "radix_tree.py", "step.py", "proposer.py"]
 
 
 def runtime_imports(path: Path) -> tuple[set[str], set[str]]:

@@ -1,0 +1,307 @@
+"""The engine loop: accept requests, run one scheduled step at a time, stream the results.
+
+``LLMEngine`` is the level beneath ``LLM``: ``add_request`` queues a prompt,
+``step`` runs one forward pass and returns the requests it advanced, and
+``abort_request`` drops a request wherever it is. Bad input is refused in
+``add_request`` with a ``ValueError`` before anything is queued, so it can never
+disturb the requests already running. Calls from several threads take turns on
+the engine's lock (``LLM.generate`` holds it for its whole run).
+
+m7: with ``speculative_config`` the scheduler adds guesses of a request's next tokens to
+its step, one sample row each, and ``_check_guess`` keeps the run of rows whose guess
+the model's own pick agreed with: the same tokens as m6, several in one step.
+
+m6: with ``async_scheduling`` a step is launched on the forward worker and processed
+one ``step()`` later, after the next one has been scheduled and launched: the host's
+work happens while the device computes. A request that finishes in step N is already
+in step N+1; that extra token is dropped. It is on by default on CUDA only: on a CPU
+the worker's threads compete with the caller's for the same cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+import threading
+import time
+import weakref
+
+from transformers import AutoConfig, AutoTokenizer
+
+from milestones.model_store import resolve_model
+from milestones.trace import Tracer
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model import ModelConfig
+from .model_runner import ModelRunner
+from .outputs import RequestOutput
+from .prompts import Prompt, eos_token_ids, tokenize_prompt
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+from .step import LaunchedStep, ScheduledBatch
+from .worker import ForwardWorker
+
+
+# --8<-- [start:serialized]
+def serialized(method):
+    """Run an engine method under the engine's lock, so calls from several threads never interleave."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return locked
+# --8<-- [end:serialized]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        path = resolve_model(config.model)
+        self.model_config = ModelConfig.from_hf(AutoConfig.from_pretrained(path))
+        self.config = config.resolve(self.model_config.max_position_embeddings)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos_token_ids = eos_token_ids(path)
+        self.runner = ModelRunner(self.config, self.model_config, path)
+        self.scheduler = Scheduler(self.config)
+        self._seeds = random.Random(self.config.seed)
+        self._ids = itertools.count()
+        self.num_steps = 0  # steps processed
+        self.num_launched = 0  # steps handed to the forward worker
+        self.pending: LaunchedStep | None = None  # with async scheduling: launched last step, processed this one
+        self.num_accepted_tokens = 0  # m7: guesses the model agreed with
+        self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
+        self.tracer = Tracer(self.config.trace_file is not None)
+        self.worker = ForwardWorker(self.runner, self.config.device, self.config.async_scheduling, self.tracer)
+        self._stop_worker = weakref.finalize(self, self.worker.close)  # no thread outlives a forgotten engine
+
+    # --8<-- [start:add_request]
+    @serialized
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Validate and queue one request; return its id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+                             "shorten the prompt (it must leave room for one generated token)")
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit}): "
+                f"lower max_tokens to at most {limit - len(token_ids)}, "
+                "or pass max_tokens=None to stop at the context limit"
+            )
+        request_id = self._new_request_id() if request_id is None else str(request_id)
+        if self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        seq = Sequence(
+            request_id=request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=token_ids,
+            params=params,
+            seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
+            num_lookahead=spec.num_speculative_tokens if (spec := self.config.speculative_config) else 0,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+        )
+        self.scheduler.add(seq)
+        return request_id
+    # --8<-- [end:add_request]
+
+    def _new_request_id(self) -> str:
+        """The next automatic id that no unfinished request uses (a caller may have picked "7" already)."""
+        request_id = str(next(self._ids))
+        while self.scheduler.find(request_id) is not None:
+            request_id = str(next(self._ids))
+        return request_id
+
+
+    # --8<-- [start:step]
+    @serialized
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch step N+1, then process step N: the host's work while N+1 computes."""
+        start = self.tracer.now()
+        batch = self.scheduler.schedule()  # with overlap: while step N is still computing
+        ongoing = self._launch(batch, start) if batch is not None else None
+        if self.config.async_scheduling:
+            last, self.pending = self.pending, ongoing  # the lag: this call processes the step launched by the last
+        else:
+            last = ongoing  # m5's loop: wait for the step just launched
+        return self._process(last) if last is not None else []
+    # --8<-- [end:step]
+
+    # --8<-- [start:launch]
+    def _launch(self, batch: ScheduledBatch, start: float) -> LaunchedStep:
+        """Hand the step to the worker, and book now what it will do: its tokens computed, a future id per sample."""
+        now = time.perf_counter()
+        for seq in batch.seqs:
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = now
+        inputs = self.runner.prepare(batch)
+        self.num_launched += 1
+        before = [seq.num_computed_tokens for seq in batch.seqs]
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new  # steps run in launch order: whatever is launched next sees them
+        launched = LaunchedStep(self.num_launched, batch.seqs, before, [seq.num_computed_tokens for seq in batch.seqs],
+                                inputs.sample_seqs, [], [])
+        for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
+            launched.token_indices.append(seq.num_tokens)
+            # m7: the request's next row read its first guess left, which this row's token must equal to count
+            launched.guesses.append(seq.draft_token_ids.pop(0) if seq.draft_token_ids else None)
+            seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
+            seq.num_pending_tokens += 1
+        self.tracer.record("schedule", start, launched.number, len(batch.seqs))  # the host's work up to the launch
+        self.worker.submit(launched.number, inputs)
+        return launched
+    # --8<-- [end:launch]
+
+    # --8<-- [start:process]
+    def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Put a computed step's tokens in place, apply the stop rules, finish requests; their outputs."""
+        try:
+            tokens = self.worker.result(launched.number)
+        except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
+            self._roll_back(launched)
+            raise
+        start = self.tracer.now()
+        self.num_steps += 1
+        for seq, computed in zip(launched.seqs, launched.num_computed_after):
+            if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since: the blocks are still its own
+                seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
+        changed: dict[str, Sequence] = {}
+        for seq, index, token, guess in zip(launched.sample_seqs, launched.token_indices, tokens, launched.guesses):
+            # Finished (or aborted) while this step computed, or (m7) a row after a rejected guess: the token is dropped
+            if seq.is_finished or index >= seq.num_tokens:
+                continue
+            self._accept_token(seq, index, token)
+            if seq.is_finished:
+                self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
+                self.scheduler.finish(seq)
+            elif guess is not None:
+                self._check_guess(seq, token, guess)
+            changed[seq.request_id] = seq
+        self.tracer.record("process", start, launched.number, len(launched.seqs))
+        return [RequestOutput.from_sequence(seq) for seq in changed.values()]
+    # --8<-- [end:process]
+
+    # --8<-- [start:stop_rules]
+    def _accept_token(self, seq: Sequence, index: int, token: int) -> None:
+        """Put a sampled token where its future id was and apply the stop rules, in vLLM's order."""
+        now = time.perf_counter()
+        seq.token_ids[index] = token
+        seq.num_pending_tokens -= 1  # any tokens after it belong to a step still in flight: not known, not counted
+        seq.metrics.first_token_time = seq.metrics.first_token_time or now
+        seq.metrics.last_token_time = now
+        seq.metrics.num_output_tokens = seq.num_output_tokens
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            seq.finish("stop")  # the stop token stays in token_ids but adds no text
+        elif seq.detokenizer.add_token(token) is not None:
+            seq.finish("stop")
+        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            seq.finish("length")
+        elif seq.num_tokens - seq.num_pending_tokens >= self.config.max_model_len:
+            seq.finish("length")
+    # --8<-- [end:stop_rules]
+
+    # --8<-- [start:guesses]
+    def _check_guess(self, seq: Sequence, token: int, guess: int) -> None:
+        """m7: the pick agrees with the guess the next row read (that row counts), or the rows after are void."""
+        if token == guess:
+            seq.metrics.num_accepted_tokens += 1
+            self.num_accepted_tokens += 1
+            seq.num_lookahead = min(seq.num_lookahead + 1, self.config.speculative_config.num_speculative_tokens)
+        else:
+            self._drop_pending_tokens(seq)
+            self.scheduler.trim(seq)  # blocks only rejected guesses reached go back to the pool
+            seq.num_lookahead = max(1, seq.num_lookahead // 2)  # guessing less where guesses fail
+    # --8<-- [end:guesses]
+
+    @staticmethod
+    def _drop_pending_tokens(seq: Sequence) -> None:
+        """Forget the tokens of steps still in flight, and the KV they compute, as if they were never launched."""
+        del seq.token_ids[seq.num_tokens - seq.num_pending_tokens :]
+        seq.num_pending_tokens = 0
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        seq.num_processed_tokens = min(seq.num_processed_tokens, seq.num_computed_tokens)
+
+    def _roll_back(self, failed: LaunchedStep) -> None:
+        """A step raised, or the wait for it was interrupted: undo what launching it, and the steps after it, booked.
+
+        The worker may still be computing those steps. It finishes them before anything launched from now on (it
+        keeps launch order), and ``result`` throws their results away."""
+        steps = [failed] if self.pending is None else [failed, self.pending]
+        self.pending = None
+        for launched in reversed(steps):
+            for seq, computed in zip(launched.seqs, launched.num_computed_before):
+                if seq.status is SequenceStatus.RUNNING:
+                    seq.num_computed_tokens = computed
+            for seq, index in zip(launched.sample_seqs, launched.token_indices):
+                if index < seq.num_tokens:  # m7: a request's first row undoes its later ones too
+                    seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
+                    del seq.token_ids[index:]
+
+    @serialized
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a waiting or running request now; its partial output is returned."""
+        seq = self.scheduler.find(str(request_id))
+        if seq is None:
+            return None
+        seq.finish("abort")
+        self._drop_pending_tokens(seq)
+        self.scheduler.finish(seq)
+        return RequestOutput.from_sequence(seq)
+
+    @serialized
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @serialized
+    def close(self) -> None:
+        """Process the step still in flight, stop the forward worker, write the trace if one was asked for."""
+        try:
+            last, self.pending = self.pending, None
+            if last is not None:
+                self._process(last)  # a step that raises here still lets the worker stop
+        finally:
+            self._stop_worker()
+            if self.config.trace_file is not None:
+                self.tracer.write(self.config.trace_file)
+
+    @serialized
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any request's state, or the KV bookkeeping, is inconsistent."""
+        self.scheduler.check_integrity()
+
+    @serialized
+    def graph_stats(self) -> dict[str, object]:
+        """Captured batch sizes, decode steps replayed, padding rows run, eager steps, seconds spent capturing."""
+        return self.runner.graph_stats()
+
+    @serialized
+    def spec_stats(self) -> dict[str, int | float]:
+        """m7: guesses made and kept, and the tokens a request gained in a step that checked guesses, on average."""
+        drafted, accepted = self.scheduler.num_draft_tokens, self.num_accepted_tokens
+        return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / max(1, drafted),
+                "mean_tokens_per_step": 1 + accepted / max(1, self.scheduler.num_guessing)}
+
+    @serialized
+    def kv_usage(self) -> dict[str, int | float]:
+        """KV pool bytes reserved vs filled, blocks in use / cached / free, preemptions, prefix-cache hit rate."""
+        scheduler = self.scheduler
+        computed = sum(seq.num_computed_tokens for seq in scheduler.running_seqs())
+        in_use = {b for table in scheduler.block_manager.block_tables.values() for b in table}
+        cached = set(scheduler.tree.cached_blocks()) - in_use if scheduler.tree is not None else set()
+        return {
+            "reserved_bytes": self.runner.kv_cache_bytes,
+            "used_bytes": computed * self.runner.kv_bytes_per_token,
+            "blocks_in_use": len(in_use),
+            "blocks_cached": len(cached),
+            "blocks_free": scheduler.block_manager.num_free_blocks,
+            "num_preemptions": scheduler.num_preemptions,
+            "prefix_hit_rate": scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens),
+        }
+

@@ -1,0 +1,279 @@
+"""A compact decoder for the Llama family: Llama / SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Every forward works on a *flat* batch: ``input_ids`` and ``positions`` are 1-D
+tensors of the tokens being computed this step. How those tokens find their keys
+and values is the job of ``attention.py``, the only piece that changes from one
+milestone to the next; this file stays the same in all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from .attention import AttentionContext, attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    """The architecture numbers we need, read from a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope_theta: float
+    rope_scaling: dict | None
+
+    @classmethod
+    def from_hf(cls, hf) -> ModelConfig:
+        if hf.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {hf.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported; only 'silu'")
+        # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs keep them apart.
+        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+        theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        num_heads = hf.num_attention_heads
+        return cls(
+            model_type=hf.model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position_embeddings=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=hf.model_type == "qwen3",
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else rope,
+        )
+
+
+# --8<-- [start:rmsnorm]
+class RMSNorm(nn.Module):
+    """Scale each vector to unit root-mean-square, then by a learned weight (computed in fp32)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+# --8<-- [end:rmsnorm]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotation speed of each pair of dimensions, with Llama-3 style scaling when configured."""
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device="cpu").float() / cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta**exponents
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ValueError(f"rope scaling {scaling!r} is not supported; only 'default' and 'llama3'")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, blended, scaled)
+
+
+# --8<-- [start:rope]
+class RotaryEmbedding(nn.Module):
+    """Rotate query and key pairs by an angle proportional to the token's position."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg, self.max_positions = cfg, max_positions
+        self.build_tables()
+
+    def build_tables(self, device: torch.device | None = None) -> None:
+        """cos and sin of every (position, dimension) angle, in fp32 like transformers."""
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        angles = torch.outer(positions, rope_inv_freq(self.cfg))
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of this step's positions, [T, 1, head_dim] (shared by all heads).
+
+        Looked up once per forward pass and handed to every layer: a lookup per layer
+        costs a measurable share of a CPU decode step (see the benchmarks page).
+        """
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + head_dim/2) pair of x by its position's angle."""
+    return x * cos + rotate_half(x) * sin
+# --8<-- [end:rope]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+# --8<-- [start:self_attention]
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, self.layer_index, ctx)  # [n, num_heads, head_dim]
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+# --8<-- [end:self_attention]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# --8<-- [start:decoder_layer]
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+# --8<-- [end:decoder_layer]
+
+
+class Backbone(nn.Module):
+    """Named like transformers' ``model.*`` so checkpoints load without renaming."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.rope = RotaryEmbedding(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: Path, cfg: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype
+    ) -> CausalLM:
+        """Build the model without random initialisation (on the meta device), then load the weights."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions)
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gives every parameter its own storage
+        model.load_weights(folder)
+        model.to(dtype=dtype)
+        model.rope.build_tables(device)  # to_empty left the tables uninitialised
+        return model.eval()
+
+    # --8<-- [start:forward]
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Hidden states of every token in the flat batch: [num_tokens, hidden_size]."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)  # RoPE's angles for every token, shared by all layers
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+    # --8<-- [end:forward]
+
+    # --8<-- [start:compute_logits]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the rows we sample from (only each request's last token), in fp32."""
+        return self.lm_head(hidden).float()
+    # --8<-- [end:compute_logits]
+
+    def load_weights(self, folder: Path) -> None:
+        """Copy every ``*.safetensors`` tensor in ``folder`` into the module of the same name."""
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {folder}")
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for file in files:
+            for name, tensor in load_file(file).items():
+                if name not in params:
+                    if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                        continue  # some checkpoints store the tied head anyway
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {self.config.model_type}")
+                expected = params[name]
+                if tensor.shape != expected.shape:  # copy_ would broadcast a [1, n] tensor without a word
+                    raise ValueError(f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
+                                     f"makes it {list(expected.shape)}: the weights and the config do not match")
+                if not tensor.is_floating_point():
+                    raise ValueError(f"{file.name}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
+                                     "(float32, bfloat16 or float16)")
+                expected.data.copy_(tensor)
+                loaded.add(name)
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = set(params) - loaded - tied
+        if missing:
+            raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

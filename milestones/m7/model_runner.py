@@ -1,0 +1,210 @@
+"""Own the model and its KV pool; turn a scheduled batch into tensors, run it, sample.
+
+As in m4, every scheduled token of every request goes into one flat batch, and each
+request reaches its keys and values through its block table. What m5 adds: a step in
+which every request decodes one token, and whose batch fits a captured size, is not
+run operator by operator but replayed by the ``GraphRunner``; every other step (a
+prefill chunk in it, more requests than the largest capture, ``enforce_eager``)
+runs eagerly, exactly as in m4.
+
+m6: the host ``prepare``s a step as plain lists (the host changes the sequences while
+it runs) and the forward worker ``execute``s it: tensors, future ids resolved, forward,
+sampling, the tokens left on the device for the step after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+from milestones.transfer import to_device
+
+from .attention import AttentionContext, KernelBatch, RequestSpan, paged_decode_attention
+from .config import EngineConfig
+from .future_map import FutureMap
+from .graph_runner import GraphRunner
+from .model import CausalLM, ModelConfig
+from .sampler import Sampler
+from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs
+
+
+class ModelRunner:
+    """Two threads use it: the host calls ``prepare`` (with ``prepare_inputs`` and ``decode_inputs``), the forward
+    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, the graph runner, the
+    sampler, the future map's ``resolve_`` and ``store``)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
+        self.config = config
+        self.device = config.device
+        self.model = CausalLM.from_pretrained(
+            model_path, model_config, config.max_model_len, config.device, config.dtype
+        )
+        element_size = torch.empty((), dtype=config.dtype).element_size()
+        bytes_per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * element_size
+        if config.num_kv_blocks is None:  # size the pool from the memory budget; the scheduler reads it back
+            budget = config.kv_cache_memory_bytes or config.max_num_seqs * config.max_model_len * bytes_per_token
+            config.num_kv_blocks = budget // (bytes_per_token * config.block_size)
+            if config.num_kv_blocks == 0:
+                raise ValueError(
+                    f"kv_cache_memory_bytes ({budget}) holds no block of {config.block_size} tokens "
+                    f"({bytes_per_token * config.block_size} bytes): raise it, or lower block_size"
+                )
+        # One block more than the block manager hands out: where the padding rows of a replayed step write.
+        shape = (model_config.num_layers, model_config.num_kv_heads, config.num_kv_blocks + 1, config.block_size,
+                 model_config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.sampler = Sampler(config.device)
+        speculative = config.speculative_config  # m7: a request samples after its last token and after each guess
+        rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+        self.future_map = FutureMap(2 * config.max_num_seqs * rows_per_seq, config.device)
+        # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
+        self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
+        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
+        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
+        self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
+        self.num_eager_steps = 0
+
+    def capture_decode_step(self) -> GraphRunner | None:
+        """Capture the decode step for every configured batch size (None: it cannot be captured here)."""
+        if self.device.type == "cpu" and not cpp_compiler_available():
+            warnings.warn("no C++ compiler for torch.compile: m5 decodes eagerly (install g++ or clang, or pass "
+                          "enforce_eager=True to silence this)", stacklevel=3)
+            return None
+        max_blocks = -(-self.config.max_model_len // self.config.block_size)
+        graph_runner = GraphRunner(self.model, self.k_cache, self.v_cache, self.decode_kernel or paged_decode_attention,
+                                   self.config.cudagraph_capture_sizes, max_blocks)
+        with torch.inference_mode():
+            graph_runner.capture()
+        return graph_runner
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes reserved for keys and values, whether filled or not."""
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token across all layers."""
+        num_layers, num_kv_heads, _, _, head_dim = self.k_cache.shape
+        return 2 * num_layers * num_kv_heads * head_dim * self.k_cache.element_size()
+
+    # --8<-- [start:execute]
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The host's half of a step: what to compute, as plain lists, and a future id for every token to sample."""
+        if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
+            forward, sample_seqs = self.decode_inputs(batch), list(batch.seqs)
+            positions = forward.positions
+        else:
+            forward = self.prepare_inputs(batch)
+            sample_seqs, positions = forward.sample_seqs, [forward.positions[row] for row in forward.sample_rows]
+        return StepInputs(forward, [SamplingRow.of(seq, p) for seq, p in zip(sample_seqs, positions)],
+                          self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:
+        """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device."""
+        if isinstance(step.forward, DecodeInputs):
+            hidden = self.graph_runner.run(step.forward, self.future_map)
+        else:
+            self.num_eager_steps += 1
+            input_ids, positions, ctx = self.device_inputs(step.forward)
+            rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
+            hidden = self.model(input_ids, positions, ctx)[rows]  # copy to the GPU and wait for the forward
+        if not step.samples:  # every request is in the middle of its prompt
+            return torch.empty(0, dtype=torch.long, device=self.device)
+        tokens = self.sampler(self.compute_logits(hidden), step.samples)
+        self.future_map.store(step.future_ids, tokens)
+        return tokens
+    # --8<-- [end:execute]
+
+    # --8<-- [start:prepare_inputs]
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
+        block_size = self.config.block_size
+        input_ids, positions, slot_mapping = [], [], []  # one entry per token
+        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        sample_rows, sample_seqs = [], []
+        for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            row = len(input_ids)
+            tokens = seq.token_ids + seq.draft_token_ids  # m7: the guesses ride after the last token, like a chunk
+            input_ids += tokens[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
+            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
+            if end == len(tokens):  # the chunk reaches the end: its last token, and each guess, predicts the next one
+                num_rows = 1 + len(seq.draft_token_ids)
+                sample_rows += range(row + num_new - num_rows, row + num_new)
+                sample_seqs += [seq] * num_rows
+        block_tables = []  # the torch path gathers every request's blocks in one copy per layer
+        for span in requests:
+            span.first = len(block_tables) * block_size
+            block_tables += span.block_table
+        return ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows,
+                           sample_seqs)
+
+    def device_inputs(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """The eager step's tensors, made on the worker; future ids resolved to the tokens they stand for."""
+        input_ids = self._tensor(inputs.input_ids)
+        self.future_map.resolve_(input_ids)
+        ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(inputs.slot_mapping),
+                               self._tensor(inputs.block_tables), inputs.requests)
+        if inputs.decodes:
+            ctx.kernel_batch = self.kernel_batch(inputs.decodes)
+        return input_ids, self._tensor(inputs.positions), ctx
+    # --8<-- [end:prepare_inputs]
+
+    @staticmethod
+    def is_decode_step(batch: ScheduledBatch) -> bool:
+        """Does every request compute exactly its last token (and so sample the next one)?"""
+        return all(num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+                   for seq, num_new in zip(batch.seqs, batch.num_new_tokens))
+
+    # --8<-- [start:decode_inputs]
+    def decode_inputs(self, batch: ScheduledBatch) -> DecodeInputs:
+        """Each request's one new token, where its key and value go, and the blocks it reads."""
+        block_size = self.config.block_size
+        inputs = DecodeInputs([], [], [], [], [])
+        for seq, table in zip(batch.seqs, batch.block_tables):
+            position = seq.num_computed_tokens
+            inputs.token_ids.append(seq.token_ids[position])
+            inputs.positions.append(position)
+            inputs.slots.append(table[position // block_size] * block_size + position % block_size)
+            inputs.block_tables.append(list(table))  # a copy: the host grows the live table while the step runs
+            inputs.context_lens.append(position + 1)
+        return inputs
+    # --8<-- [end:decode_inputs]
+
+    def graph_stats(self) -> dict[str, object]:
+        """Which batch sizes were captured, and how many steps were replayed, padded or run eagerly."""
+        graphs = self.graph_runner
+        return {
+            "captured_sizes": graphs.sizes if graphs else [],
+            "replays": graphs.num_replays if graphs else 0,
+            "eager_steps": self.num_eager_steps,
+            "padded_rows": graphs.num_padded_rows if graphs else 0,
+            "capture_seconds": graphs.capture_seconds if graphs else 0.0,
+        }
+
+    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
+        """The decoding requests as one call of the compiled kernel, which reads their blocks in place."""
+        rows = self._tensor([span.start for span in decodes])
+        width = max(len(span.block_table) for span in decodes)  # tables padded with block 0, never read
+        block_tables = self._tensor([span.block_table + [0] * (width - len(span.block_table)) for span in decodes])
+        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return to_device(values, torch.long, self.device)
+
+
+def cpp_compiler_available() -> bool:
+    """torch.compile on a CPU writes C++ and needs a compiler ($CXX, else c++) to build it."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None

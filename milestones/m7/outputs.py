@@ -1,0 +1,37 @@
+"""What the engine hands back, shaped like vLLM's ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .sequence import RequestMetrics, Sequence
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str  # everything generated so far, minus any stop string
+    token_ids: list[int]
+    finish_reason: str | None  # None while running, then "stop", "length" or "abort"
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=seq.detokenizer.visible_text(seq.is_finished),
+            token_ids=seq.output_token_ids,
+            finish_reason=seq.finish_reason,
+        )
+        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics,
+                   seq.num_cached_tokens)

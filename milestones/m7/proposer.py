@@ -1,0 +1,57 @@
+"""Guess a request's next tokens before the model computes them: m7's proposer.
+
+Plain Python (no torch). ``NgramProposer`` is prompt lookup: text that copies, corrects
+or edits a given text repeats it, so the tokens that followed the last time the
+request's latest few tokens appeared are a good guess for what follows now. A guess
+costs no forward pass; the target model checks every guessed token of a request in one
+step, and a wrong guess costs only the extra rows of that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .sequence import Sequence
+
+if TYPE_CHECKING:  # only for type hints: the proposer never touches torch
+    from .config import SpeculativeConfig
+
+
+# --8<-- [start:ngram]
+@dataclass(slots=True, frozen=True)
+class NgramProposer:
+    """Find the latest earlier occurrence of the last n tokens (n from ``max_n`` down to ``min_n``); propose what
+    followed it."""
+
+    min_n: int
+    max_n: int
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` guesses of the tokens after ``token_ids``; none where no n-gram repeats."""
+        if num_tokens <= 0:
+            return []
+        length = len(token_ids)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix, last = token_ids[length - n :], token_ids[-1]
+            # The latest match first: the nearest context is the likeliest to go on the same way.
+            for start in range(length - n - 1, -1, -1):
+                if token_ids[start + n - 1] == last and token_ids[start : start + n] == suffix:
+                    return token_ids[start + n : start + n + num_tokens]
+        return []
+# --8<-- [end:ngram]
+
+    # --8<-- [start:propose_for]
+    def propose_for(self, seq: Sequence, max_model_len: int) -> list[int]:
+        """The guesses for a decoding request's next step: at most its lookahead, and never past its last token."""
+        if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending_tokens:
+            return []  # in the middle of its prompt, or its latest token is not known yet
+        end = max_model_len if seq.params.max_tokens is None else seq.num_prompt_tokens + seq.params.max_tokens
+        room = min(end, max_model_len) - seq.num_tokens - 1  # the step also samples the token after the guesses
+        return self.propose(seq.token_ids, min(seq.num_lookahead, room))
+    # --8<-- [end:propose_for]
+
+
+def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
+    """What guesses each request's next tokens (None: nothing does, and m7 runs as m6)."""
+    return None if config is None else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -1,0 +1,106 @@
+"""How one request wants its tokens chosen and when it wants to stop (vLLM's names)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM: dividing logits by them overflows
+SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit random generator can be seeded with
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules, checked when constructed and immutable afterwards.
+
+    * ``temperature=0`` means greedy: always the most likely token.
+    * ``top_k=-1`` keeps the whole vocabulary (vLLM's convention); ``0`` is refused
+      so that "no limit" has exactly one spelling.
+    * ``top_p=1.0`` keeps the whole distribution.
+    * ``max_tokens=None`` generates until a stop or the model's context is full.
+    * ``seed`` fixes the request's random numbers: the same seed gives the same
+      tokens whatever else runs alongside it.
+
+    Frozen, so a request cannot be changed under the engine after it was checked:
+    ``dataclasses.replace(params, top_k=50)`` makes a changed copy, checked again.
+    NumPy numbers are accepted and stored as Python ones.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = 16
+    stop: tuple[str, ...] = ()  # a string or any list of strings is accepted, and stored as a tuple
+    stop_token_ids: tuple[int, ...] = ()  # any list or array of integers is accepted, and stored as a tuple
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: normalised values are stored with object.__setattr__, once, here.
+        for name in ("temperature", "top_p"):
+            _set(self, name, _as_real(name, getattr(self, name)))
+        _set(self, "top_k", _as_int("top_k", self.top_k))
+        for name in ("max_tokens", "seed"):  # None is meaningful for these two
+            value = getattr(self, name)
+            _set(self, name, None if value is None else _as_int(name, value))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _set(self, "stop", _as_tuple("stop", stop, "a string or a list of strings"))
+        _set(self, "stop_token_ids", tuple(
+            _as_int("stop_token_ids", t) for t in _as_tuple("stop_token_ids", self.stop_token_ids, "a list of integers")
+        ))
+        self._check()
+
+    def _check(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(
+                f"max_tokens must be an integer >= 1 (or None for 'until the context is full'), got {self.max_tokens!r}"
+            )
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, in [-2**63, 2**64), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+
+def _set(params: SamplingParams, name: str, value: object) -> None:
+    """Store a normalised value in the frozen dataclass (only while it is being constructed)."""
+    object.__setattr__(params, name, value)
+
+
+def _as_real(name: str, value: object) -> float:
+    if isinstance(value, Real) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+        if math.isfinite(number):
+            return number
+    raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+
+
+def _as_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_tuple(name: str, value: object, expected: str) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or getattr(value, "ndim", 1) == 0:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return tuple(value)

@@ -1,0 +1,242 @@
+"""Decide what runs in the next step. m4: continuous batching over a paged pool with a prefix cache.
+
+Plain Python (no torch). Scheduling is m3's (admission by free blocks with one
+block of headroom per running request, preemption by recompute); what changes is
+where blocks come from.
+
+* Match at admission: a waiting request first looks up the longest cached prefix
+  of its tokens in the radix tree. Those blocks start its block table and count
+  as computed, so only the rest of the prompt is prefilled. At least the last
+  token is always computed, since its logits are needed to sample.
+* Insert after compute: at the start of every step, each running request's newly
+  completed blocks go into the tree, so requests running side by side can share a
+  prompt as soon as one has computed it; at the end, everything it computed goes in.
+* Locks: a request locks the path it uses, so its blocks are never evicted under it.
+* Evict before preempting: when blocks run out, unlocked cached leaves are dropped
+  (least recently used first); only when none is left is a request preempted.
+* ``scheduling_policy="lpm"`` admits the waiting request with the longest cached
+  prefix first (SGLang's longest-prefix-match); ``"fcfs"`` keeps arrival order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .block_manager import BlockManager
+from .proposer import make_proposer
+from .radix_tree import Node, RadixTree
+from .sequence import Sequence, SequenceStatus, check_sequences
+from .step import ScheduledBatch
+
+if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
+    from .config import EngineConfig
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
+        self.proposer = make_proposer(config.speculative_config)  # m7
+        self.num_guessing = self.num_draft_tokens = 0  # m7: requests' steps that check guesses, and the guesses
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.locked: dict[str, Node] = {}  # request id -> the deepest tree node it locks
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # tokens needing KV at admission, summed over admissions
+        self.num_cached_tokens = 0  # of those, found in the prefix cache
+
+    def add(self, seq: Sequence) -> None:
+        longest = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len - seq.num_prompt_tokens)
+        needed = self.block_manager.blocks_needed(longest)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of "
+                f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_blocks}: "
+                "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
+            )
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --8<-- [start:schedule]
+    def schedule(self) -> ScheduledBatch | None:
+        for seq in self.running:
+            self._cache(seq)
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [], [])
+        # Decodes (one token left to compute) first, then unfinished prefills; admission order within each.
+        # A request whose step in flight samples its last token (by length) has nothing left to compute.
+        finishing = [s for s in self.running if self._samples_its_last_token(s)]
+        queue = sorted((s for s in self.running if s not in finishing),
+                       key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        preempted = False
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            if self.proposer is not None:  # m7: guesses of its next tokens, checked by this step with its last one
+                seq.draft_token_ids = self.proposer.propose_for(seq, self.config.max_model_len)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
+            if seq.draft_token_ids:  # m7: the guesses that fit the budget and the free blocks, or none
+                if not self._make_room(seq, seq.num_computed_tokens + num_new):
+                    num_new = 1  # guessing gives way before anyone is preempted
+                del seq.draft_token_ids[num_new - 1 :]
+                seq.metrics.num_draft_tokens += num_new - 1
+                self.num_draft_tokens += num_new - 1
+                self.num_guessing += num_new > 1
+            while not self._make_room(seq, seq.num_computed_tokens + num_new):
+                victim = max(queue, key=self.running.index) if queue else seq
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                queue.remove(victim)
+            else:
+                budget -= self._take(batch, seq, num_new)
+        if self.config.scheduling_policy == "lpm" and self.tree is not None:
+            # Measured read-only: sorting must not split edges or refresh the LRU times of requests still waiting.
+            self.waiting = deque(sorted(self.waiting, key=lambda s: -self.tree.cached_prefix_length(s.token_ids[:-1])))
+        # Admit waiting requests while their first chunk's blocks are free and one more block per running
+        # request stays free, room for everyone to grow (never right after a preemption). A finishing request
+        # gives up its place at once, as in m5: the steps of the one admitted instead run after its last.
+        while self.waiting and budget > 0 and len(self.running) - len(finishing) < self.config.max_num_seqs \
+                and not preempted:
+            seq = self.waiting[0]
+            self._match(seq)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            growing = len(self.running) - len(finishing)
+            if not self._make_room(seq, seq.num_computed_tokens + num_new, headroom=growing):
+                self._release(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.num_prompt_tokens += seq.num_tokens
+            self.num_cached_tokens += seq.num_cached_tokens
+            budget -= self._take(batch, seq, num_new)
+        return batch if batch.seqs else None
+
+    def _samples_its_last_token(self, seq: Sequence) -> bool:
+        """Will the token its step in flight samples end it by length (max_tokens, max_model_len)? Only a stop
+        that depends on the token's value (EOS, a stop string) leaves a request in the next step for nothing."""
+        max_tokens = seq.params.max_tokens
+        at_max_tokens = max_tokens is not None and seq.num_output_tokens + seq.num_pending_tokens >= max_tokens
+        return seq.num_pending_tokens > 0 and (seq.num_tokens >= self.config.max_model_len or at_max_tokens)
+
+    def _match(self, seq: Sequence) -> None:
+        """Start the sequence from its longest cached prefix, leaving at least its last token to compute."""
+        if self.tree is None:
+            return
+        blocks, node = self.tree.match_prefix(seq.token_ids[:-1])
+        self.block_manager.share(seq.request_id, blocks)
+        self.tree.lock(node)
+        self.locked[seq.request_id] = node
+        seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
+        seq.num_processed_tokens = seq.num_cached_tokens  # blocks from the tree hold their keys and values
+
+    # --8<-- [start:cache]
+    def _cache(self, seq: Sequence) -> None:
+        """Insert the sequence's fully computed blocks into the tree and lock its new path.
+
+        Only blocks of processed steps: a step still in flight may yet fail, and a block in the tree must hold
+        its keys and values for good."""
+        if self.tree is None:
+            return
+        num_blocks = seq.num_processed_tokens // self.config.block_size
+        locked = self.locked[seq.request_id]
+        if num_blocks * self.config.block_size <= sum(len(n.tokens) for n in _path(locked)):
+            return  # nothing new since the last insert
+        table = self.block_manager.block_tables[seq.request_id]
+        node, adopted = self.tree.insert(seq.token_ids[: num_blocks * self.config.block_size], table[:num_blocks])
+        for block in adopted:
+            self.block_manager.hold(block)
+        self.tree.lock(node)
+        self.tree.unlock(locked)
+        self.locked[seq.request_id] = node
+    # --8<-- [end:cache]
+
+    def trim(self, seq: Sequence) -> None:
+        """m7: return the blocks that only rejected guesses reached; the tokens the request keeps need the rest."""
+        self.block_manager.shrink(seq.request_id, seq.num_tokens)
+
+    def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
+        """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
+
+        Evicts unlocked cached blocks if that is what it takes, and only if it is enough:
+        a request that will not fit anyway leaves the cache alone.
+        """
+        needed = self.block_manager.num_new_blocks(seq.request_id, num_tokens) + headroom
+        missing = needed - self.block_manager.num_free_blocks
+        if missing > 0 and self.tree is not None and missing <= self.tree.num_evictable_blocks:
+            for block in self.tree.evict(missing):
+                self.block_manager.release(block)
+        return needed <= self.block_manager.num_free_blocks
+
+    def _take(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> int:
+        """Schedule ``num_new`` tokens of the sequence, growing its block table to hold them."""
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+        batch.block_tables.append(self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new))
+        return num_new
+
+    def _release(self, seq: Sequence) -> None:
+        """Let go of the sequence's blocks and lock; what the tree holds stays cached."""
+        self.block_manager.free(seq.request_id)
+        if seq.request_id in self.locked:
+            self.tree.unlock(self.locked.pop(seq.request_id))
+        seq.num_computed_tokens = seq.num_processed_tokens = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""
+        self._cache(seq)  # what it computed stays in the cache, so readmission is mostly a hit
+        self.running.remove(seq)
+        self._release(seq)
+        seq.draft_token_ids.clear()
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+    # --8<-- [end:schedule]
+
+    def finish(self, seq: Sequence) -> None:
+        """Cache what a finished (or aborted) sequence computed, then return its blocks at once."""
+        if seq in self.running:
+            self._cache(seq)
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def check_integrity(self) -> None:
+        """Every request's state agrees with where it sits and its blocks hold what it computed; free + cached +
+        in-use blocks = the pool, and the tree is well formed."""
+        check_sequences(self.running, list(self.waiting), self.config.max_model_len)
+        tables = self.block_manager.block_tables
+        assert set(tables) == {seq.request_id for seq in self.running}, "a block table has no running request"
+        for seq in self.running:
+            assert len(tables[seq.request_id]) >= self.block_manager.blocks_needed(seq.num_computed_tokens), (
+                f"request {seq.request_id!r} computed more tokens than its blocks hold"
+            )
+            assert len(tables[seq.request_id]) <= self.block_manager.blocks_needed(seq.num_tokens), (
+                f"request {seq.request_id!r} holds blocks past its tokens: those of rejected guesses (m7)"
+            )
+        cached = self.tree.cached_blocks() if self.tree is not None else []
+        self.block_manager.check_integrity(cached)
+        if self.tree is not None:
+            self.tree.check_integrity()
+            assert self.tree.root.lock_ref == 1 + len(self.locked), "a lock was lost"
+
+    def running_seqs(self) -> list[Sequence]:
+        return list(self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)
+
+
+def _path(node: Node) -> list[Node]:
+    """The nodes from ``node`` up to (not including) the root."""
+    nodes = []
+    while node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    return nodes

@@ -1,0 +1,107 @@
+"""A step's records, in the order a step makes them: what the scheduler plans, what the forward pass reads.
+
+Plain data in one module, so a step can be followed from the scheduler to the sampler;
+torch appears only in type hints, so the scheduling side stays torch-free. Attention's
+own inputs (``AttentionContext``, ``RequestSpan``) stay with attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .sequence import Sequence
+
+if TYPE_CHECKING:  # only for type hints
+    import torch
+
+    from .attention import RequestSpan
+    from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """The work of one step: these sequences, each with this many new tokens, and their block tables."""
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    block_tables: list[list[int]]
+
+
+# --8<-- [start:model_inputs]
+@dataclass(slots=True)
+class ModelInputs:
+    """An eager step's forward pass, as host lists the worker makes tensors of, and which rows sample."""
+
+    input_ids: list[int]  # the tokens computed this step (negative: a future id, resolved on the device)
+    positions: list[int]  # where each sits in its sequence
+    slot_mapping: list[int]  # where each token's key and value go
+    block_tables: list[int]  # the blocks of ``requests``, one after the other
+    requests: list[RequestSpan]  # attended one by one
+    decodes: list[RequestSpan]  # attended by the compiled kernel in one call
+    sample_rows: list[int]  # rows whose output predicts a sequence's next token
+    sample_seqs: list[Sequence]  # the sequence of each of those rows (the host's: the worker reads none of it)
+# --8<-- [end:model_inputs]
+
+
+@dataclass(slots=True)
+class DecodeInputs:
+    """One decode step on the host, one entry per request: the token, where it goes, what it reads."""
+
+    token_ids: list[int]  # negative: a future id, the token the previous step is still sampling
+    positions: list[int]
+    slots: list[int]  # block * block_size + offset where each token's key and value are written
+    block_tables: list[list[int]]
+    context_lens: list[int]  # tokens each request attends to, the new one included
+
+
+# --8<-- [start:step_inputs]
+@dataclass(slots=True, frozen=True)
+class SamplingRow:
+    """What sampling reads of a request, copied when its step is launched: the host moves on while it runs."""
+
+    params: SamplingParams
+    seed: int
+    num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
+
+    @classmethod
+    def of(cls, seq: Sequence, position: int) -> SamplingRow:
+        """The row that reads the token at ``position`` (m7: a guess, or the last token) and samples the next."""
+        return cls(seq.params, seq.seed, position + 1)
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step as the host hands it to the forward worker: plain data, never read again by the host."""
+
+    forward: DecodeInputs | ModelInputs  # replayed, or run eagerly
+    samples: list[SamplingRow]  # one per row that samples, in order
+    future_ids: list[int]  # where each sampled token waits on the device for the next step
+    sample_seqs: list[Sequence]  # the host's own record of who samples (the worker reads ``samples``)
+    num_seqs: int  # the batch size, for the trace
+# --8<-- [end:step_inputs]
+
+
+# --8<-- [start:launched_step]
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step on the forward worker, not yet processed: what the host must do when its tokens arrive."""
+
+    number: int
+    seqs: list[Sequence]
+    num_computed_before: list[int]  # each sequence's computed tokens before the step: what a failure restores
+    num_computed_after: list[int]  # and after it: processed once the step is
+    sample_seqs: list[Sequence]  # the sequences that sample, in the order of the step's tokens
+    token_indices: list[int]  # where each sampled token goes in its sequence's token_ids (its future id until then)
+    guesses: list[int | None]  # m7: the guess the request's next row read, which this row's token must equal
+# --8<-- [end:launched_step]
+
+
+@dataclass(slots=True)
+class StepResult:
+    """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
+
+    step_number: int
+    tokens: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
+    error: BaseException | None = None

@@ -1,0 +1,54 @@
+"""The ngram proposer on its own: plain lists, no model (it is torch-free, like the scheduler that calls it)."""
+
+from __future__ import annotations
+
+from milestones.m7.detokenizer import IncrementalDetokenizer
+from milestones.m7.proposer import NgramProposer
+from milestones.m7.sampling_params import SamplingParams
+from milestones.m7.sequence import Sequence
+
+
+def test_the_latest_earlier_occurrence_of_the_longest_suffix_wins():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
+    assert proposer.propose(tokens, 2) == [8, 1]  # "1 2 3" last seen at 4..6, followed by 8
+    assert proposer.propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]  # only as many as follow the match
+    assert proposer.propose([4, 1, 2, 7, 2], 2) == [7, 2]  # "7 2" never repeats; "2" does, at 2
+    assert NgramProposer(min_n=2, max_n=3).propose([4, 1, 2, 7, 2], 2) == []  # a single token is too short here
+
+
+def test_nothing_to_propose():
+    proposer = NgramProposer(min_n=1, max_n=4)
+    assert proposer.propose([1, 2, 3, 4], 3) == []  # no token repeats
+    assert proposer.propose([7], 3) == []
+    assert proposer.propose([1, 1, 1], 0) == []
+
+
+def sequence(prompt: list[int], max_tokens: int | None, generated: list[int]) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens)
+    seq = Sequence("0", None, prompt, params, 0, IncrementalDetokenizer(None, prompt, []))
+    seq.token_ids += generated
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.num_lookahead = 5
+    return seq
+
+
+def test_guesses_never_reach_past_the_requests_last_token():
+    proposer = NgramProposer(min_n=1, max_n=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    assert proposer.propose_for(sequence(prompt, None, []), max_model_len=100) == [3, 4, 5, 6, 7]  # its lookahead
+    # Two tokens of max_tokens left: the step samples after its last token and after each guess, so one guess.
+    assert proposer.propose_for(sequence(prompt, 4, [9, 1]), max_model_len=100) == [2]
+    assert proposer.propose_for(sequence(prompt, 4, [9, 1, 2]), max_model_len=100) == []
+    assert proposer.propose_for(sequence(prompt, None, []), max_model_len=12) == [3, 4]  # the context's end
+
+
+def test_no_guess_before_the_prompt_is_done_or_while_the_last_token_is_unknown():
+    proposer = NgramProposer(min_n=1, max_n=2)
+    seq = sequence([1, 2, 3, 1, 2], None, [])
+    seq.num_computed_tokens = 2  # a prefill chunk is still to come
+    assert proposer.propose_for(seq, max_model_len=100) == []
+    seq = sequence([1, 2, 3, 1, 2], None, [-1])  # a future id: the step in flight samples it
+    seq.num_pending_tokens = 1
+    assert proposer.propose_for(seq, max_model_len=100) == []

@@ -1,0 +1,164 @@
+"""m7 == m6: guessed tokens checked in one forward give m6's tokens, greedy and seeded, whatever is guessed.
+
+A random tiny model's text never repeats, so an ngram proposer would guess nothing
+there. The tiny-model tests swap in a proposer that guesses from m6's own output,
+wrong on purpose at every third position: guesses are kept and rejected at known
+places, so both paths run in every test. The ngram proposer itself meets real text on
+the bundled model, asked to copy a passage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from milestones import m6, m7
+from milestones.m7.proposer import NgramProposer
+from tests.chain import Completion, assert_same_outputs, mixed_workload, run
+
+LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24, enforce_eager=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleProposer(NgramProposer):
+    """Guesses each request's next tokens from a run of m6 (prompt + output), wrong where the position is 0 mod 3."""
+
+    futures: tuple[tuple[int, ...], ...] = ()
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        n = len(token_ids)
+        future = next(f for f in self.futures if list(f[:n]) == token_ids)
+        return [g + 1 if (n + i) % 3 == 0 else g for i, g in enumerate(future[n : n + num_tokens])]
+
+
+def speculating(llm, prompts, reference: list[Completion]):
+    """``llm`` (m7) with the oracle proposer in place of the ngram one."""
+    futures = tuple(tuple(p) + tuple(c.token_ids) for p, c in zip(prompts, reference))
+    llm.engine.scheduler.proposer = OracleProposer(1, 1, futures)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return mixed_workload(16, seed=7, max_prompt=60, max_output=40)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path, workload):
+    return run(m6, m6.LLM(tiny_model_path, **LIMITS), *workload)
+
+
+def spec_counts(llm) -> tuple[int, int]:
+    stats = llm.engine.spec_stats()
+    return stats["num_draft_tokens"], stats["num_accepted_tokens"]
+
+
+def assert_guessed_both_ways(llm):
+    drafted, accepted = spec_counts(llm)
+    assert 0 < accepted < drafted, f"{drafted} guesses, {accepted} accepted: both paths must run"
+
+
+@pytest.mark.parametrize("options", [
+    dict(),  # the pool as m6 sizes it, prefix caching on
+    dict(enable_prefix_caching=False),
+    dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and speculate again
+], ids=["default", "no-prefix-cache", "tight-pool"])
+def test_m7_matches_m6(tiny_model_path, workload, reference, options):
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=NGRAM), workload[0],
+                     reference) as llm:
+        ours = run(m7, llm, *workload)
+        assert_same_outputs(ours, reference, workload[1])
+        assert_guessed_both_ways(llm)
+        if "num_kv_blocks" in options:
+            assert llm.engine.kv_usage()["num_preemptions"] > 0
+
+
+def test_without_speculative_config_m7_is_m6(tiny_model_path, workload, reference):
+    with m7.LLM(tiny_model_path, **LIMITS) as llm:
+        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        assert spec_counts(llm) == (0, 0)
+
+
+def test_every_stop_rule_inside_an_accepted_run(tiny_model_path):
+    """Stop tokens and stop strings taken from the middle of each request's output, so they fall among guesses."""
+    prompts, greedy = mixed_workload(12, seed=11, max_prompt=40, max_output=30)
+    greedy = [dict(s, temperature=0, max_tokens=30, ignore_eos=True) for s in greedy]
+    base = run(m6, m6.LLM(tiny_model_path, **LIMITS), prompts, greedy)
+    settings = []
+    for i, (tokens, _, text) in enumerate(base):
+        if i % 3 == 1:
+            settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
+        elif i % 3 == 2 and len(text) > 4:
+            settings.append(dict(greedy[i], stop=[text[len(text) // 2 : len(text) // 2 + 2]]))
+        else:
+            settings.append(dict(greedy[i], max_tokens=5 + i))
+    reference_llm = m6.LLM(tiny_model_path, **LIMITS)
+    reference = run(m6, reference_llm, prompts, settings)
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), prompts, reference) as llm:
+        assert_same_outputs(run(m7, llm, prompts, settings), reference, settings)
+        assert_guessed_both_ways(llm)
+        # No rejected guess, and no token after a stop, reached the prefix cache: it caches what m6 does.
+        assert llm.engine.kv_usage()["blocks_cached"] == reference_llm.engine.kv_usage()["blocks_cached"]
+        assert llm.engine.kv_usage()["blocks_in_use"] == 0
+
+
+def test_a_step_streams_several_tokens_of_a_request_once(tiny_model_path, workload, reference):
+    prompts, settings = workload
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), prompts, reference) as llm:
+        engine = llm.engine
+        ids = [engine.add_request(p, m7.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        streamed, seen, most_in_a_step = dict.fromkeys(ids, ""), dict.fromkeys(ids, 0), 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            assert len({o.request_id for o in outs}) == len(outs), "a request reported twice in one step"
+            for out in outs:
+                text, tokens = out.outputs[0].text, out.outputs[0].token_ids
+                assert text.startswith(streamed[out.request_id]), "streamed text was taken back"
+                most_in_a_step = max(most_in_a_step, len(tokens) - seen[out.request_id])
+                streamed[out.request_id], seen[out.request_id] = text, len(tokens)
+        assert most_in_a_step > 1, "no step kept a guess"
+
+
+def test_metrics_count_guesses_per_request(tiny_model_path, workload, reference):
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), workload[0], reference) as llm:
+        outs = llm.generate(workload[0], [m7.SamplingParams(**s) for s in workload[1]], use_tqdm=False)
+        drafted = sum(o.metrics.num_draft_tokens for o in outs)
+        accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+        assert (drafted, accepted) == spec_counts(llm)
+        assert all(o.metrics.num_accepted_tokens <= o.metrics.num_draft_tokens for o in outs)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be 'ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+    ({"method": "ngram"}, "num_speculative_tokens required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, "takes the keys"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+     "prompt_lookup_min \\(5\\) must be at most prompt_lookup_max \\(3\\)"),
+    ("ngram", "speculative_config must be a dict"),
+])
+def test_bad_speculative_configs_are_refused(tiny_model_path, config, message):
+    with pytest.raises(ValueError, match=message):
+        m7.LLM(tiny_model_path, **LIMITS, speculative_config=config)
+
+
+def test_overlap_cannot_be_forced_on_with_speculation(tiny_model_path):
+    with pytest.raises(ValueError, match="async_scheduling=True cannot overlap speculative steps"):
+        m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM, async_scheduling=True)
+
+
+@pytest.mark.real_model
+def test_ngram_guesses_real_text_and_m7_still_matches_m6(bundled_model_path):
+    """Asked to copy a passage, the model repeats it: prompt lookup guesses it, and most guesses are kept."""
+    passage = "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times."
+    prompts = [f"Copy this sentence exactly.\n{passage}\nCopy: {passage[:20]}", f"Say it again: {passage}\nAgain:"]
+    settings = [dict(temperature=0, max_tokens=24), dict(temperature=0.8, seed=3, max_tokens=24)]
+    limits = dict(device="cpu", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=64, enforce_eager=True)
+    reference = run(m6, m6.LLM(bundled_model_path, **limits), prompts, settings)
+    with m7.LLM(bundled_model_path, **limits, speculative_config=NGRAM) as llm:
+        assert_same_outputs(run(m7, llm, prompts, settings), reference, settings)
+        stats = llm.engine.spec_stats()
+    print(f"\nngram on a copy: {stats}")
+    assert stats["num_accepted_tokens"] > 0
