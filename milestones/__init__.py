@@ -1,4 +1,4 @@
-"""An LLM inference engine built up in six milestones; each ``milestones.mK`` is a complete engine.
+"""An LLM inference engine built up in milestones; each ``milestones.mK`` is a complete engine.
 
 ``CHANGED_FILES`` declares, for every milestone after the first, which files it
 changes from the previous one (new files included). Every other file must stay
@@ -8,7 +8,7 @@ Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by 
 the plumbing every milestone uses alike (``options``, ``transfer``, ``trace``, ``model_store``).
 """
 
-MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6"]
+MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6", "m7"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
@@ -26,4 +26,7 @@ CHANGED_FILES: dict[str, set[str]] = {
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
     "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "sampler.py",
            "sequence.py", "scheduler.py", "worker.py", "future_map.py", "step.py"},
+    # speculative decoding: a proposer, guesses checked as a chunk with a sample row each, rejected ones rolled back
+    "m7": {"__init__.py", "config.py", "engine.py", "scheduler.py", "sequence.py", "model_runner.py", "step.py",
+           "block_manager.py", "proposer.py"},
 }

@@ -147,4 +147,23 @@ LESSONS: dict[str, tuple[Step, ...]] = {
         contract("m6"),
     ),
     # --8<-- [end:m6]
+    # --8<-- [start:m7]
+    "m7": (
+        Step("the ngram proposer", ("tests/m7/test_proposer.py",),
+             "the latest earlier occurrence of the longest suffix wins; never the suffix itself",
+             (Exercise("proposer.py", "ngram", ("NgramProposer.propose",),
+                       "find the latest earlier place where the request's last n tokens occurred (n from max_n down "
+                       "to min_n) and propose up to num_tokens of the tokens that followed it."),)),
+        Step("guesses checked, the same tokens as m6", ("tests/m7/test_vs_m6.py", "-m", "not real_model"),
+             "a row's token counts only if every guess before it was the model's own pick; after a rejected one, "
+             "drop the later rows' tokens, their KV (num_computed_tokens) and the blocks past the kept tokens",
+             (Exercise("engine.py", "guesses", ("LLMEngine._check_guess",),
+                       "compare the model's pick with the guess the next row read: count it and raise the "
+                       "lookahead, or drop the rows after it, trim the blocks and halve the lookahead."),
+              Exercise("block_manager.py", "shrink", ("BlockManager.shrink",),
+                       "release the blocks at the end of a request's table that its first num_tokens tokens do "
+                       "not need."))),
+        contract("m7"),
+    ),
+    # --8<-- [end:m7]
 }

@@ -111,7 +111,10 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
     async def health() -> Response:
         if not engine_loop.is_alive():
             return error(503, "the engine loop has stopped")
-        return JSONResponse({"status": "ok", "requests_in_flight": engine_loop.num_in_flight})
+        health = {"status": "ok", "requests_in_flight": engine_loop.num_in_flight}
+        if getattr(llm.engine.config, "speculative_config", None) is not None:  # m7: guesses made and kept so far
+            health["speculation"] = llm.engine.spec_stats()
+        return JSONResponse(health)
 
     return app
 
@@ -198,8 +201,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds open streams get to finish at shutdown before they are aborted")
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an EngineConfig option, e.g. max_num_seqs=16 (repeatable; values are JSON or text)")
+    parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                        help='m7: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM\'s flag)')
     args = parser.parse_args(argv)
     options = dict(_engine_option(text) for text in args.engine_option)
+    if args.speculative_config is not None:
+        options["speculative_config"] = args.speculative_config
     llm = importlib.import_module(f"milestones.{args.milestone}").LLM(args.model, **options)
     name = args.served_model_name or _default_name(args.model)
     uvicorn.run(create_app(llm, name, args.max_requests), host=args.host, port=args.port,

@@ -72,11 +72,15 @@ def mod(milestone):
 
 @pytest.fixture(scope="module")
 def lesson_options(mod) -> dict:
-    """Options that turn a milestone's lesson on where its default leaves it off on a CPU.
+    """Options that turn a milestone's lesson on where its default leaves it off (on a CPU).
 
     m6 overlaps only on CUDA by default (``async_scheduling="auto"``); its contract tests run the overlapped loop.
+    m7 guesses only when asked to (``speculative_config``); its contract tests guess with the shortest n-grams.
     """
-    return {"async_scheduling": True} if "async_scheduling" in mod.EngineConfig.__dataclass_fields__ else {}
+    fields = mod.EngineConfig.__dataclass_fields__
+    if "speculative_config" in fields:
+        return {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}}
+    return {"async_scheduling": True} if "async_scheduling" in fields else {}
 
 
 @pytest.fixture(scope="module")

@@ -192,6 +192,31 @@ CATALOGUE = (
         ("tests/m6/test_vs_m5.py::test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens",),
         "a failed step's tokens stay counted as computed, so they are never computed again",
     ),
+    Mutation(
+        "m7-keep-rows-after-a-rejection", "milestones/m7/engine.py",
+        "            self._drop_pending_tokens(seq)\n            self.scheduler.trim(seq)",
+        "            self.scheduler.trim(seq)",
+        ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
+        "after a rejected guess the next rows' tokens are accepted too, though they read a wrong token",
+    ),
+    Mutation(
+        "m7-rejected-blocks-kept", "milestones/m7/scheduler.py",
+        "        self.block_manager.shrink(seq.request_id, seq.num_tokens)\n", "        pass\n",
+        ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
+        "the blocks that only rejected guesses reached stay in the request's table",
+    ),
+    Mutation(
+        "m7-one-noise-per-step", "milestones/m7/step.py",
+        "return cls(seq.params, seq.seed, position + 1)", "return cls(seq.params, seq.seed, seq.num_tokens)",
+        ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
+        "every row of a request draws the noise of its first, not of the position it samples",
+    ),
+    Mutation(
+        "m7-cache-rejected-tokens", "milestones/m7/engine.py",
+        "        seq.num_processed_tokens = min(seq.num_processed_tokens, seq.num_computed_tokens)\n", "",
+        ("tests/m7/test_vs_m6.py::test_every_stop_rule_inside_an_accepted_run",),
+        "the rows after a rejected guess still count as processed, so the prefix cache may take their blocks",
+    ),
 )
 # --8<-- [end:catalogue]
 

@@ -348,6 +348,18 @@ def test_m5_inference_compare(tiny_model_path):
     assert "outputs: identical, token for token, for all 8 requests" in out
 
 
+@pytest.mark.real_model
+def test_m7_inference_compare():
+    # The bundled model, asked to copy a passage, repeats it: prompt lookup has something to find (a random tiny
+    # model's text never repeats).
+    out = run_script("examples/m7_inference.py", "--device", "cpu", "--threads", "1", "--max-tokens", "24",
+                     "--num-prompts", "2", "--compare").stdout
+    assert "=== ngram ===" in out and "=== no speculation ===" in out
+    made, kept = (int(x) for x in re.search(r"guesses:\s+(\d+) made, (\d+) kept", out).groups())
+    assert 0 < kept <= made, out
+    assert "outputs: 2 of 2 identical, token for token" in out
+
+
 def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     # Eager steps: no compiling, so the test needs no C++ compiler and takes seconds.
     trace = tmp_path / "trace.json"
@@ -397,6 +409,7 @@ def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     ("m4_inference.py", ("--compare", "--no-prefix-caching", "--scheduling-policy", "--system", "--block-size")),
     ("m5_inference.py", ("--compare", "--enforce-eager", "--cudagraph-capture-sizes", "--max-num-seqs")),
     ("m6_inference.py", ("--compare", "--no-async", "--trace", "--enforce-eager", "--cudagraph-capture-sizes")),
+    ("m7_inference.py", ("--compare", "--num-speculative-tokens", "--prompt-lookup-min", "--prompt-lookup-max")),
 ])
 def test_batched_demos_help(script, flags):
     proc = run_script(f"examples/{script}", "--help")

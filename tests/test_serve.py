@@ -18,7 +18,8 @@ import pytest
 
 from milestones.serve import create_app, running
 
-SERVED = ["m1", "m2", "m4", "m6"]  # one at a time, batched, paged with a prefix cache, overlapped
+SERVED = ["m1", "m2", "m4", "m6", "m7"]  # one at a time, batched, paged with a prefix cache, overlapped, guessing
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}  # m7's option
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "def fibonacci(n):", "Once upon a time"]
 LIMITS = dict(device="cpu", max_model_len=256)
 
@@ -44,7 +45,7 @@ def greedy(mod, max_tokens=12):
 def served(request, tiny_model_path):
     """A server for one milestone, with what LLM.generate and LLM.chat give for the same prompts (computed first)."""
     mod = importlib.import_module(f"milestones.{request.param}")
-    llm = mod.LLM(tiny_model_path, **LIMITS)
+    llm = mod.LLM(tiny_model_path, **LIMITS, **({"speculative_config": SPECULATIVE} if request.param == "m7" else {}))
     texts = [out.outputs[0] for out in llm.generate(PROMPTS, greedy(mod), use_tqdm=False)]
     chat = llm.chat([{"role": "user", "content": "Hello there"}], greedy(mod), use_tqdm=False)[0]
     with serving(llm) as (url, app):
@@ -94,10 +95,14 @@ def test_many_clients_at_once_all_get_their_own_answer(served):
         assert answer.choices[0].text == texts[index % len(PROMPTS)].text
 
 
-def test_models_and_health(served):
+def test_models_and_health(served, request):
     url, _, _, _ = served
     assert [m.id for m in client(url).models.list().data] == ["tiny"]
-    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok"
+    assert ("speculation" in health) == (request.node.callspec.params["served"] == "m7")  # m7's guesses so far
+    if "speculation" in health:
+        assert {"num_draft_tokens", "num_accepted_tokens", "acceptance_rate"} <= set(health["speculation"])
 
 
 @pytest.mark.parametrize("body, message", [

@@ -28,6 +28,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
     "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap (the default on a CPU)
     "async": ("async_scheduling", True),  # m6: overlap (the default on CUDA)
+    "ngram": ("speculative_config", {"method": "ngram", "num_speculative_tokens": 4}),  # m7: prompt lookup
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
     "fp32": ("dtype", "float32"),
 }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
@@ -73,7 +73,9 @@ class EngineConfig:
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
         speculative = self.speculative_config
-        if isinstance(speculative, dict):
+        if isinstance(speculative, SpeculativeConfig):  # checked as the dict it could have been
+            speculative = asdict(speculative)
+        if speculative is not None:
             speculative = SpeculativeConfig.from_dict(speculative)
         if speculative is not None and overlap:
             if self.async_scheduling is True:

@@ -242,6 +242,8 @@ class LLMEngine:
                 if index < seq.num_tokens:  # m7: a request's first row undoes its later ones too
                     seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
                     del seq.token_ids[index:]
+                    if seq.status is SequenceStatus.RUNNING:
+                        self.scheduler.trim(seq)  # m7: the blocks grown for its guesses
 
     @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -75,16 +75,7 @@ class Scheduler:
         preempted = False
         while queue and budget > 0:
             seq = queue.pop(0)
-            if self.proposer is not None:  # m7: guesses of its next tokens, checked by this step with its last one
-                seq.draft_token_ids = self.proposer.propose_for(seq, self.config.max_model_len)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_token_ids), budget)
-            if seq.draft_token_ids:  # m7: the guesses that fit the budget and the free blocks, or none
-                if not self._make_room(seq, seq.num_computed_tokens + num_new):
-                    num_new = 1  # guessing gives way before anyone is preempted
-                del seq.draft_token_ids[num_new - 1 :]
-                seq.metrics.num_draft_tokens += num_new - 1
-                self.num_draft_tokens += num_new - 1
-                self.num_guessing += num_new > 1
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._make_room(seq, seq.num_computed_tokens + num_new):
                 victim = max(queue, key=self.running.index) if queue else seq
                 self._preempt(victim)
@@ -115,7 +106,26 @@ class Scheduler:
             self.num_prompt_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
             budget -= self._take(batch, seq, num_new)
+        if self.proposer is not None:
+            self._add_guesses(batch, budget)
         return batch if batch.seqs else None
+
+    # --8<-- [start:add_guesses]
+    def _add_guesses(self, batch: ScheduledBatch, budget: int) -> None:
+        """m7: guesses of each decoding request's next tokens, checked by this step with its last one. They get only
+        the budget and free blocks that every request's own tokens left: a guess never delays nor preempts anyone."""
+        for i, seq in enumerate(batch.seqs):
+            guesses = self.proposer.propose_for(seq, self.config.max_model_len)[: max(0, budget)]
+            end = seq.num_computed_tokens + 1 + len(guesses)
+            if guesses and self.block_manager.num_new_blocks(seq.request_id, end) <= self.block_manager.num_free_blocks:
+                seq.draft_token_ids = guesses
+                batch.num_new_tokens[i] += len(guesses)
+                batch.block_tables[i] = self.block_manager.grow(seq.request_id, end)
+                budget -= len(guesses)
+                seq.metrics.num_draft_tokens += len(guesses)
+                self.num_draft_tokens += len(guesses)
+                self.num_guessing += 1
+    # --8<-- [end:add_guesses]
 
     def _samples_its_last_token(self, seq: Sequence) -> bool:
         """Will the token its step in flight samples end it by length (max_tokens, max_model_len)? Only a stop
@@ -192,7 +202,6 @@ class Scheduler:
         self._cache(seq)  # what it computed stays in the cache, so readmission is mostly a hit
         self.running.remove(seq)
         self._release(seq)
-        seq.draft_token_ids.clear()
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

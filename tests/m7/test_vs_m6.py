@@ -162,3 +162,36 @@ def test_ngram_guesses_real_text_and_m7_still_matches_m6(bundled_model_path):
         stats = llm.engine.spec_stats()
     print(f"\nngram on a copy: {stats}")
     assert stats["num_accepted_tokens"] > 0
+
+
+def test_a_failed_step_with_guesses_is_undone(tiny_model_path, workload, reference):
+    """A step that checks guesses raises: its rows, its computed tokens and the blocks grown for its guesses are
+    undone, and stepping on gives m6's tokens."""
+    prompts, settings = workload
+    # Blocks of 4 tokens: the guesses of the failing step reach into a block of their own.
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, block_size=4, speculative_config=NGRAM), prompts,
+                     reference) as llm:
+        engine, failed = llm.engine, []
+        real_run = engine.runner.execute
+
+        def fails_once_with_guesses(inputs):
+            guessing = len(inputs.samples) > len({id(seq) for seq in inputs.sample_seqs})  # a request samples twice
+            if guessing and not failed:
+                failed.append(inputs)
+                raise RuntimeError("injected failure in a step that checks guesses")
+            return real_run(inputs)
+
+        engine.runner.execute = fails_once_with_guesses
+        ids = [engine.add_request(p, m7.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        finished, failures = {}, 0
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except RuntimeError:
+                failures += 1
+                outputs = []
+            finished.update((out.request_id, out) for out in outputs if out.finished)
+            engine.check_integrity()  # no request holds blocks past its tokens after the undo
+        assert failures == 1
+        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+                for o in (finished[i] for i in ids)] == [tuple(c) for c in reference]
