@@ -79,7 +79,7 @@ class BlockManager:
     # --8<-- [start:shrink]
     def shrink(self, request_id: str, num_tokens: int) -> None:
         """m7: let go of the blocks past the first ``num_tokens`` tokens (slots only rejected guesses wrote)."""
-        table = self.block_tables[request_id]
+        table = self.block_tables.get(request_id, [])  # none: it was preempted or finished
         while len(table) > self.blocks_needed(num_tokens):
             self.release(table.pop())
     # --8<-- [end:shrink]

@@ -7,9 +7,8 @@
 disturb the requests already running. Calls from several threads take turns on
 the engine's lock (``LLM.generate`` holds it for its whole run).
 
-m7: with ``speculative_config`` the scheduler adds guesses of a request's next tokens to
-its step, one sample row each, and ``_check_guess`` keeps the run of rows whose guess
-the model's own pick agreed with: the same tokens as m6, several in one step.
+m7: with ``speculative_config`` a step also checks guesses of a request's next tokens, a
+row each; ``_check_guess`` keeps the rows whose guess the model agreed with: m6's tokens.
 
 m6: with ``async_scheduling`` a step is launched on the forward worker and processed
 one ``step()`` later, after the next one has been scheduled and launched: the host's
@@ -70,7 +69,6 @@ class LLMEngine:
         self.num_steps = 0  # steps processed
         self.num_launched = 0  # steps handed to the forward worker
         self.pending: LaunchedStep | None = None  # with async scheduling: launched last step, processed this one
-        self.num_accepted_tokens = 0  # m7: guesses the model agreed with
         self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
         self.tracer = Tracer(self.config.trace_file is not None)
         self.worker = ForwardWorker(self.runner, self.config.device, self.config.async_scheduling, self.tracer)
@@ -103,7 +101,6 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
-            num_lookahead=spec.num_speculative_tokens if (spec := self.config.speculative_config) else 0,
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
         )
         self.scheduler.add(seq)
@@ -148,7 +145,6 @@ class LLMEngine:
                                 inputs.sample_seqs, [], [])
         for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
             launched.token_indices.append(seq.num_tokens)
-            # m7: the request's next row read its first guess left, which this row's token must equal to count
             launched.guesses.append(seq.draft_token_ids.pop(0) if seq.draft_token_ids else None)
             seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
             seq.num_pending_tokens += 1
@@ -172,8 +168,7 @@ class LLMEngine:
                 seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
         changed: dict[str, Sequence] = {}
         for seq, index, token, guess in zip(launched.sample_seqs, launched.token_indices, tokens, launched.guesses):
-            # Finished (or aborted) while this step computed, or (m7) a row after a rejected guess: the token is dropped
-            if seq.is_finished or index >= seq.num_tokens:
+            if seq.is_finished or index >= seq.num_tokens:  # finished meanwhile, or (m7) past a rejected guess
                 continue
             self._accept_token(seq, index, token)
             if seq.is_finished:
@@ -211,7 +206,7 @@ class LLMEngine:
         """m7: the pick agrees with the guess the next row read (that row counts), or the rows after are void."""
         if token == guess:
             seq.metrics.num_accepted_tokens += 1
-            self.num_accepted_tokens += 1
+            self.scheduler.num_accepted_tokens += 1
             seq.num_lookahead = min(seq.num_lookahead + 1, self.config.speculative_config.num_speculative_tokens)
         else:
             self._drop_pending_tokens(seq)
@@ -242,8 +237,7 @@ class LLMEngine:
                 if index < seq.num_tokens:  # m7: a request's first row undoes its later ones too
                     seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
                     del seq.token_ids[index:]
-                    if seq.status is SequenceStatus.RUNNING:
-                        self.scheduler.trim(seq)  # m7: the blocks grown for its guesses
+                    self.scheduler.trim(seq)  # m7: the blocks grown for its guesses
 
     @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -285,10 +279,7 @@ class LLMEngine:
     @serialized
     def spec_stats(self) -> dict[str, int | float]:
         """m7: guesses made and kept, and the tokens a request gained in a step that checked guesses, on average."""
-        drafted, accepted = self.scheduler.num_draft_tokens, self.num_accepted_tokens
-        return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-                "acceptance_rate": accepted / max(1, drafted),
-                "mean_tokens_per_step": 1 + accepted / max(1, self.scheduler.num_guessing)}
+        return self.scheduler.spec_stats()
 
     @serialized
     def kv_usage(self) -> dict[str, int | float]:
@@ -306,4 +297,3 @@ class LLMEngine:
             "num_preemptions": scheduler.num_preemptions,
             "prefix_hit_rate": scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens),
         }
-

@@ -40,6 +40,7 @@ class Scheduler:
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
         self.proposer = make_proposer(config.speculative_config)  # m7
         self.num_guessing = self.num_draft_tokens = 0  # m7: requests' steps that check guesses, and the guesses
+        self.num_accepted_tokens = 0  # m7: of those guesses, the ones the model agreed with (the engine counts them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.locked: dict[str, Node] = {}  # request id -> the deepest tree node it locks
@@ -56,6 +57,7 @@ class Scheduler:
                 f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_blocks}: "
                 "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
             )
+        seq.num_lookahead = self.config.speculative_config.num_speculative_tokens if self.proposer else 0  # m7
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -169,6 +171,12 @@ class Scheduler:
     def trim(self, seq: Sequence) -> None:
         """m7: return the blocks that only rejected guesses reached; the tokens the request keeps need the rest."""
         self.block_manager.shrink(seq.request_id, seq.num_tokens)
+
+    def spec_stats(self) -> dict[str, int | float]:
+        """m7: the guesses made and kept so far, over every request."""
+        return {"num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+                "mean_tokens_per_step": 1 + self.num_accepted_tokens / max(1, self.num_guessing)}
 
     def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
         """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
