@@ -98,6 +98,22 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_benchmark_grounded_and_open_workloads_with_m7_guessing(tiny_model_path, tmp_path):
+    """m7's rows report the guesses they made and kept, and give the m6 row's tokens on both chat workloads."""
+    out = tmp_path / "bench.json"
+    run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+               "--engines", "m6@eager,m7@eager+ngram", "--workloads", "grounded,open", "--max-num-seqs", "1",
+               "--chat-requests", "4", "--out", str(out), timeout=600)
+    rows = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(w, e) for w in ("grounded", "open") for e in ("m6@eager", "m7@eager+ngram")}
+    for workload in ("grounded", "open"):
+        ours, reference = rows[(workload, "m7@eager+ngram")], rows[(workload, "m6@eager")]
+        assert ours["status"] == reference["status"] == "ok", (ours["error"], reference["error"])
+        assert ours["same_tokens_as_m6@eager"] == "4/4 requests"
+        assert 0 <= ours["accepted_tokens"] <= ours["draft_tokens"] and "draft_tokens" not in reference
+        assert ours["num_requests"] == 4 and ours["max_running"] == 1
+
+
 @needs_compiler  # m5 captures by compiling
 def test_benchmark_batch_workload_and_bandwidth(tiny_model_path, tmp_path):
     """Decode at each --batch-sizes (m1 skipped), m5 replays unless @eager, batch-1 decode gets its bandwidth share."""

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shared-output-len-range", type=int_range, default="32,128", metavar="LO,HI",
                    help="output tokens, uniform")
 
+    g = p.add_argument_group("grounded and open workloads (milestone rows only; m7@ngram guesses)")
+    g.add_argument("--chat-requests", type=int, default=16,
+                   help="chat requests in each: grounded ones ask to copy or edit a passage, open ones do not")
+
     g = p.add_argument_group("engine options (passed only to milestones whose EngineConfig has them)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once; default: the milestone's own "

@@ -3,7 +3,10 @@
 decode  ``LLM.generate`` on one prompt: one warm-up, then --runs timed runs, the median reported.
 batch   the same with B prompts at once, a row per size B of --batch-sizes.
 mixed,  the engine API itself: add every request, then ``step()`` until none is left. The clock runs
-shared  only while the engine works: it stops after each step while ``kv_usage()`` is read.
+shared, only while the engine works: it stops after each step while ``kv_usage()`` is read. m7 with
+small,  ``speculative_config`` (the ``@ngram`` rows) also reports the guesses it made and kept.
+grounded,
+open
 """
 
 from __future__ import annotations
@@ -200,6 +203,14 @@ def mixed_passes(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], 
     return median_run(one_pass, setup.args.mixed_runs)
 
 
+def guess_counts(engine) -> tuple[int, int] | None:
+    """m7 with speculation: the guesses made and kept so far (None for an engine that does not guess)."""
+    if getattr(engine.config, "speculative_config", None) is None:
+        return None
+    stats = engine.spec_stats()
+    return stats["num_draft_tokens"], stats["num_accepted_tokens"]
+
+
 @dataclasses.dataclass(slots=True)
 class KvPeaks:
     """The most KV memory in use and reserved, and the most requests running, over the steps of one pass."""
@@ -225,6 +236,7 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     warm_up = mod.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([requests[0].prompt_ids[:8]], warm_up, use_tqdm=False)
     peaks, finished, steps_before = KvPeaks(), {}, engine.num_steps
+    guesses_before = guess_counts(engine)
     wall = 0.0
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True))
@@ -250,6 +262,11 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     else:
         overlap = {}
     outs = [finished[i] for i in ids]
+    guesses = {}
+    if guesses_before is not None:  # m7: the guesses this pass made and kept
+        drafted, accepted = (now - before for now, before in zip(guess_counts(engine), guesses_before))
+        guesses = {"draft_tokens": drafted, "accepted_tokens": accepted, "acceptance_rate": accepted / max(1, drafted)}
+        note = f"{accepted} of {drafted} guesses kept" + (f"; {note}" if note else "")
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)
     cached = sum(getattr(o, "num_cached_tokens", 0) for o in outs)  # only m4's outputs count cached prompt tokens
@@ -261,5 +278,5 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
                    prefix_hit_rate=peaks.last.get("prefix_hit_rate"), output_tokens_per_s=n_out / wall,
                    ttft_mean_s=mean([o.metrics.time_to_first_token for o in outs]), itl_mean_s=mean(itls),
                    kv_peak_mb=peaks.used_bytes / MB, kv_reserved_mb=peaks.reserved_bytes / MB,
-                   steps=engine.num_steps - steps_before, note=note, **overlap,
+                   steps=engine.num_steps - steps_before, note=note, **overlap, **guesses,
                    _tokens=[list(o.outputs[0].token_ids) for o in outs])

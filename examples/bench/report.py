@@ -96,7 +96,8 @@ def new_results(setup: Setup, command: list[str]) -> dict:
                    "max_model_len": setup.max_model_len, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens, "tight_kv": args.tight_kv,
                    "shared_prefix_len": args.shared_prefix_len,
-                   "shared_output_len_range": list(args.shared_output_len_range)},
+                   "shared_output_len_range": list(args.shared_output_len_range),
+                   "chat_requests": args.chat_requests},
         "results": [],
     }
 

@@ -7,6 +7,9 @@ shared  as many requests behind one system prompt of --shared-prefix-len tokens,
         question: what a prefix cache is for (milestone rows only).
 batch   decode at each of --batch-sizes: B requests at once, each its own --decode-prompt-len-token prompt and
         --decode-tokens forced tokens, so every step after the prompts decodes B tokens (milestone rows only).
+grounded  chat requests that ask to copy or rewrite a passage they contain: the answer repeats the prompt, what
+        m7's prompt lookup guesses well (milestone rows only; --max-num-seqs 1 for batch 1).
+open    chat requests with nothing to copy (stories, explanations): where guessing finds little.
 """
 
 from __future__ import annotations
@@ -17,13 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from _common import text_token_ids
+from _common import SAMPLE_TEXT, chat_token_ids, text_token_ids
 
 if TYPE_CHECKING:
     import torch
 
 SMALL_REQUESTS = 64  # the small workload: this many requests of 4-16 prompt and 4-16 output tokens
-WORKLOADS = ("decode", "mixed", "shared", "batch", "small")
+WORKLOADS = ("decode", "mixed", "shared", "batch", "small", "grounded", "open")
+GROUNDED_ASKS = ("Copy the following text exactly, word for word:", "Repeat this text, one sentence per line:",
+                 "Rewrite this text in the present tense, changing nothing else:", "Correct any mistakes in this "
+                 "text and give it back in full:")
+OPEN_ASKS = ("Write a short story about {}.", "Explain how {} works to a child.", "Give three reasons to like {}.",
+             "Write a poem about {}.")
+TOPICS = ("a lighthouse", "the rain", "a bicycle", "bread", "the moon", "a library", "trains", "a garden")
 
 
 @dataclass(slots=True)
@@ -43,10 +52,13 @@ class Workloads:
     shared: list[Request]
     batch_prompts: list[list[int]]  # as many prompts as the largest of --batch-sizes, all of one length
     small: list[Request] = field(default_factory=list)  # many short requests: host time matters most
+    grounded: list[Request] = field(default_factory=list)  # answers that repeat the prompt
+    open: list[Request] = field(default_factory=list)  # answers with nothing to copy
 
     def requests(self, workload: str) -> list[Request]:
-        """The requests of the mixed, the shared or the small workload."""
-        return {"shared": self.shared, "small": self.small}.get(workload, self.mixed)
+        """The requests of a workload served through the engine (every one but decode and batch)."""
+        chosen = {"shared": self.shared, "small": self.small, "grounded": self.grounded, "open": self.open}
+        return chosen.get(workload, self.mixed)
 
 
 @dataclass(slots=True)
@@ -72,7 +84,30 @@ def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
                                     args.shared_output_len_range, args.seed),
         small=make_mixed_workload(tokenizer, SMALL_REQUESTS, (4, 16), (4, 16), args.seed + 3),
         batch_prompts=make_batch_prompts(tokenizer, max(args.batch_sizes), args.decode_prompt_len, args.seed),
+        grounded=make_grounded_workload(tokenizer, args.chat_requests, args.seed + 4),
+        open=make_open_workload(tokenizer, args.chat_requests, args.seed + 5),
     )
+
+
+def make_grounded_workload(tokenizer, n: int, seed: int) -> list[Request]:
+    """Chat requests that hand the model a passage of real text (40 to 80 tokens) and ask for it back, copied or
+    lightly edited; each may generate as many tokens as the passage has, and a few more."""
+    rng, text = random.Random(seed), tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)
+    requests = []
+    for i in range(n):
+        length = rng.randint(40, 80)
+        start = rng.randrange(0, len(text) - length)
+        passage = tokenizer.decode(text[start : start + length]).strip()
+        prompt = chat_token_ids(tokenizer, f"{GROUNDED_ASKS[i % len(GROUNDED_ASKS)]}\n\n{passage}")
+        requests.append(Request(prompt, length + 8))
+    return requests
+
+
+def make_open_workload(tokenizer, n: int, seed: int) -> list[Request]:
+    """Chat requests with nothing in them to copy, 48 to 96 output tokens each."""
+    rng = random.Random(seed)
+    asks = [OPEN_ASKS[i % len(OPEN_ASKS)].format(TOPICS[(i // len(OPEN_ASKS) + i) % len(TOPICS)]) for i in range(n)]
+    return [Request(chat_token_ids(tokenizer, ask), rng.randint(48, 96)) for ask in asks]
 
 
 def make_mixed_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
@@ -115,6 +150,9 @@ def fitting_max_model_len(args: argparse.Namespace, workloads: Workloads) -> int
         "batch": args.decode_prompt_len + args.decode_tokens,
         "mixed": args.prompt_len_range[1] + args.output_len_range[1],
         "small": 16 + 16,
+        "grounded": max(len(r.prompt_ids) + r.max_tokens for r in workloads.grounded),
+        "open": max(len(r.prompt_ids) + r.max_tokens for r in workloads.open),
         "shared": max(len(r.prompt_ids) for r in workloads.shared) + args.shared_output_len_range[1],
     }
-    return max(needs[workload] for workload in args.workloads)
+    longest = max(needs[workload] for workload in args.workloads)
+    return -(-longest // 16) * 16  # whole blocks of 16: a pool sized for max_num_seqs=1 then holds the longest
