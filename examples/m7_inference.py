@@ -3,6 +3,7 @@
     python examples/m7_inference.py                          # guess with ngram; print how many guesses were kept
     python examples/m7_inference.py --compare                # then again without guessing (m6), in the same process
     python examples/m7_inference.py --num-speculative-tokens 8 --prompt "Repeat after me: ..."
+    python examples/m7_inference.py --draft-layers 8 --compare   # guess with the model's first 8 layers instead
 
 The default prompts ask the model to copy, correct or reformat a text they contain, the
 case prompt lookup is made for: the answer repeats the prompt, so the tokens that
@@ -10,7 +11,9 @@ followed the latest occurrence of the answer's last few tokens are good guesses.
 step checks each request's guesses in one forward, a row per guess, and keeps them while
 they equal the model's own picks: the text is m6's, token for token, whatever is guessed
 (``--compare`` checks it). On a CPU a batch-1 step reads every weight once, whatever the
-number of rows, so each kept guess is a token for almost nothing.
+number of rows, so each kept guess is a token for almost nothing. ``--draft-layers N``
+guesses with a draft model instead: the model's own first N layers (a copy made once),
+which guesses on any text but costs N layers' worth of a forward pass per guess.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num-speculative-tokens", type=int, default=4, help="the most tokens guessed per step")
     g.add_argument("--prompt-lookup-min", type=int, default=2, help="the shortest run of latest tokens looked up")
     g.add_argument("--prompt-lookup-max", type=int, default=4, help="the longest, tried first")
+    g.add_argument("--draft-layers", type=int, default=0,
+                   help="guess with a draft model made of the model's first this many layers (0: prompt lookup)")
     g.add_argument("--compare", action="store_true",
                    help="run the same requests again without speculation (m7 is then m6) and compare")
     return p.parse_args(argv)
@@ -55,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run(LLM, SamplingParams, args, speculative_config: dict | None, show: int) -> dict:
     """Load an engine with or without guessing, run every request, print what happened; return the numbers."""
-    label = "ngram" if speculative_config else "no speculation"
+    label = speculative_config["method"] if speculative_config else "no speculation"
     print(f"\n=== {label} ===")
     llm, load_s = load(lambda *a, **kw: LLM(*a, **kw, enforce_eager=True, speculative_config=speculative_config),
                        args)
@@ -94,11 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     speculative_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
                           "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     try:
+        if args.draft_layers:  # the model's first layers, with its tokenizer: a draft that is often right
+            from milestones.model_store import first_layers_copy
+
+            draft = first_layers_copy(args.model, args.draft_layers)
+            speculative_config = {"method": "draft_model", "model": str(draft),
+                                  "num_speculative_tokens": args.num_speculative_tokens}
         guessing = run(LLM, SamplingParams, args, speculative_config, args.show)
         if args.compare:
             plain = run(LLM, SamplingParams, args, None, 0)
             print("\ncomparison (the same requests, one engine each):")
-            print(f"  output tokens/s: {guessing['tokens_per_s']:.1f} with ngram, {plain['tokens_per_s']:.1f} "
+            print(f"  output tokens/s: {guessing['tokens_per_s']:.1f} with {speculative_config['method']}, "
+                  f"{plain['tokens_per_s']:.1f} "
                   f"without: {guessing['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
             same = sum(a == b for a, b in zip(guessing["tokens"], plain["tokens"], strict=True))
             print(f"  outputs: {same} of {len(plain['tokens'])} identical, token for token"

@@ -163,6 +163,16 @@ LESSONS: dict[str, tuple[Step, ...]] = {
               Exercise("block_manager.py", "shrink", ("BlockManager.shrink",),
                        "release the blocks at the end of a request's table that its first num_tokens tokens do "
                        "not need."))),
+        Step("a draft model guesses, in the requests' own blocks", ("tests/m7/test_draft_model.py",),
+             "the draft computes what it has not seen (from num_drafted_tokens), then one guess per forward; a "
+             "rejected guess's slot holds another token afterwards, so trim counts the draft's KV back too",
+             (Exercise("drafter.py", "draft_model", ("DraftModelProposer.propose_batch",),
+                       "run the draft over each request's tokens from num_drafted_tokens, sample a guess with the "
+                       "request's own rules, feed it back, until each has its rooms[i] guesses; then record how "
+                       "many tokens the draft computed."),
+              Exercise("scheduler.py", "trim", ("Scheduler.trim",),
+                       "after a rejected guess: shrink the request's blocks to its tokens, and count the draft's "
+                       "keys and values only up to the slot whose token changed."))),
         contract("m7"),
     ),
     # --8<-- [end:m7]

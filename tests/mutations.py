@@ -217,6 +217,18 @@ CATALOGUE = (
         ("tests/m7/test_vs_m6.py::test_every_stop_rule_inside_an_accepted_run",),
         "the rows after a rejected guess still count as processed, so the prefix cache may take their blocks",
     ),
+    Mutation(
+        "m7-draft-kv-kept-after-a-rejection", "milestones/m7/scheduler.py",
+        "        seq.num_drafted_tokens = min(seq.num_drafted_tokens, seq.num_tokens - 1)\n", "",
+        ("tests/m7/test_draft_model.py::test_each_guess_is_what_the_draft_model_itself_would_say",),
+        "the draft model's keys and values of a rejected guess stay counted, though the model's pick replaced it",
+    ),
+    Mutation(
+        "m7-cache-blocks-the-draft-never-wrote", "milestones/m7/scheduler.py",
+        "            written = min(written, seq.num_drafted_tokens)\n", "            pass\n",
+        ("tests/m7/test_draft_model.py::test_the_model_as_its_own_draft_has_every_guess_kept",),
+        "the prefix cache takes blocks whose draft-model keys and values were never written",
+    ),
 )
 # --8<-- [end:catalogue]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,8 +27,11 @@ from tests.conftest import HAS_KERNEL_TOOLCHAIN, needs_compiler
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(*args: str, timeout: int = 180, returncodes: tuple[int, ...] = (0,)) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+def run_script(*args: str, timeout: int = 180, returncodes: tuple[int, ...] = (0,),
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run an example with this interpreter from the repository root; ``env`` adds to the environment."""
+    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else os.environ | env)
     assert proc.returncode in returncodes, \
         f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
     return proc
@@ -99,19 +103,22 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
 
 
 def test_benchmark_grounded_and_open_workloads_with_m7_guessing(tiny_model_path, tmp_path):
-    """m7's rows report the guesses they made and kept, and give the m6 row's tokens on both chat workloads."""
-    out = tmp_path / "bench.json"
+    """m7's rows (prompt lookup, and a draft cut from the model) report the guesses they made and kept, and give the
+    m6 row's tokens on both chat workloads."""
+    out, guessing = tmp_path / "bench.json", ("m7@eager+ngram", "m7@eager+draft")
     run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
-               "--engines", "m6@eager,m7@eager+ngram", "--workloads", "grounded,open", "--max-num-seqs", "1",
-               "--chat-requests", "4", "--out", str(out), timeout=600)
+               "--engines", f"m6@eager,{','.join(guessing)}", "--workloads", "grounded,open", "--max-num-seqs", "1",
+               "--chat-requests", "4", "--draft-layers", "1", "--out", str(out), timeout=600,
+               env={"MILESTONES_CACHE": str(tmp_path / "cache")})
     rows = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {(w, e) for w in ("grounded", "open") for e in ("m6@eager", "m7@eager+ngram")}
-    for workload in ("grounded", "open"):
-        ours, reference = rows[(workload, "m7@eager+ngram")], rows[(workload, "m6@eager")]
+    assert set(rows) == {(w, e) for w in ("grounded", "open") for e in ("m6@eager", *guessing)}
+    for workload, engine in [(w, e) for w in ("grounded", "open") for e in guessing]:
+        ours, reference = rows[(workload, engine)], rows[(workload, "m6@eager")]
         assert ours["status"] == reference["status"] == "ok", (ours["error"], reference["error"])
         assert ours["same_tokens_as_m6@eager"] == "4/4 requests"
         assert 0 <= ours["accepted_tokens"] <= ours["draft_tokens"] and "draft_tokens" not in reference
         assert ours["num_requests"] == 4 and ours["max_running"] == 1
+    assert rows[("grounded", "m7@eager+draft")]["draft_tokens"] > 0  # a draft model guesses whatever the text
 
 
 @needs_compiler  # m5 captures by compiling

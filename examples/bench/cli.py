@@ -93,9 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shared-output-len-range", type=int_range, default="32,128", metavar="LO,HI",
                    help="output tokens, uniform")
 
-    g = p.add_argument_group("grounded and open workloads (milestone rows only; m7@ngram guesses)")
+    g = p.add_argument_group("grounded and open workloads (milestone rows only; m7@ngram and m7@draft guess)")
     g.add_argument("--chat-requests", type=int, default=16,
                    help="chat requests in each: grounded ones ask to copy or edit a passage, open ones do not")
+    g.add_argument("--draft-layers", type=int, default=4,
+                   help="m7@draft rows: the draft is the model's first this many layers")
 
     g = p.add_argument_group("engine options (passed only to milestones whose EngineConfig has them)")
     g.add_argument("--max-num-seqs", type=int, default=None,

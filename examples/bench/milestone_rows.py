@@ -4,7 +4,7 @@ decode  ``LLM.generate`` on one prompt: one warm-up, then --runs timed runs, the
 batch   the same with B prompts at once, a row per size B of --batch-sizes.
 mixed,  the engine API itself: add every request, then ``step()`` until none is left. The clock runs
 shared, only while the engine works: it stops after each step while ``kv_usage()`` is read. m7 with
-small,  ``speculative_config`` (the ``@ngram`` rows) also reports the guesses it made and kept.
+small,  ``speculative_config`` (the ``@ngram`` and ``@draft`` rows) also reports the guesses it made and kept.
 grounded,
 open
 """
@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from milestones.model_store import first_layers_copy
 
 from .rows import (
     MB,
@@ -59,7 +61,11 @@ def engine_kwargs(mod: ModuleType, row: MilestoneRow, setup: Setup) -> dict:
     for field in row.engine_options:
         if field not in accepted:
             raise ValueError(f"{row.milestone} has no {field} option")
-    return {k: v for k, v in wanted.items() if v is not None and k in accepted} | row.engine_options
+    own = dict(row.engine_options)
+    speculative = own.get("speculative_config")
+    if speculative is not None and speculative["method"] == "draft_model":  # m7@draft: a draft cut from the model
+        own["speculative_config"] = speculative | {"model": str(first_layers_copy(args.model, args.draft_layers))}
+    return {k: v for k, v in wanted.items() if v is not None and k in accepted} | own
 
 
 def config_dict(config) -> dict:

@@ -92,10 +92,11 @@ class EngineConfig:
 class SpeculativeConfig:
     """How a request's next tokens are guessed, and how many a step (vLLM's names)."""
 
-    method: str  # "ngram": prompt lookup over the request's own tokens
+    method: str  # "ngram": prompt lookup over the request's own tokens; "draft_model": a smaller model's picks
     num_speculative_tokens: int  # k: the most tokens guessed for a request in a step, all checked in one forward
     prompt_lookup_min: int = 2  # ngram: the shortest run of latest tokens looked up
     prompt_lookup_max: int = 4  # ngram: the longest, tried first
+    model: str | None = None  # draft_model: the draft (a name or folder, as LLM's model), with the target's tokenizer
 
     @classmethod
     def from_dict(cls, given: dict) -> SpeculativeConfig:
@@ -108,6 +109,9 @@ class SpeculativeConfig:
             options.check(config, SPECULATIVE_OPTIONS)
         except ValueError as error:
             raise ValueError(f"speculative_config: {error}") from None
+        if (config.method == "draft_model") != (config.model is not None):
+            raise ValueError("speculative_config: 'model' names the draft, and only method 'draft_model' has one, "
+                             f"which it needs; got method {config.method!r} with model {config.model!r}")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
                              f"prompt_lookup_max ({config.prompt_lookup_max})")
@@ -115,10 +119,11 @@ class SpeculativeConfig:
 
 
 SPECULATIVE_OPTIONS = {
-    "method": options.one_of("ngram"),
+    "method": options.one_of("ngram", "draft_model"),
     "num_speculative_tokens": options.POSITIVE,
     "prompt_lookup_min": options.POSITIVE,
     "prompt_lookup_max": options.POSITIVE,
+    "model": options.PATH_OR_NONE,
 }
 # --8<-- [end:speculative_config]
 

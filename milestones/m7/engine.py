@@ -33,6 +33,7 @@ from milestones.trace import Tracer
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .drafter import make_proposer
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
@@ -63,7 +64,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_token_ids = eos_token_ids(path)
         self.runner = ModelRunner(self.config, self.model_config, path)
-        self.scheduler = Scheduler(self.config)
+        self.scheduler = Scheduler(self.config, make_proposer(self.config, self.tokenizer, self.model_config))
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.num_steps = 0  # steps processed
@@ -113,7 +114,6 @@ class LLMEngine:
         while self.scheduler.find(request_id) is not None:
             request_id = str(next(self._ids))
         return request_id
-
 
     # --8<-- [start:step]
     @serialized
@@ -211,7 +211,7 @@ class LLMEngine:
         else:
             self._drop_pending_tokens(seq)
             self.scheduler.trim(seq)  # blocks only rejected guesses reached go back to the pool
-            seq.num_lookahead = max(1, seq.num_lookahead // 2)  # guessing less where guesses fail
+            seq.num_lookahead = max(self.scheduler.proposer.min_lookahead, seq.num_lookahead // 2)  # less, or none
     # --8<-- [end:guesses]
 
     @staticmethod

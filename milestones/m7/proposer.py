@@ -4,18 +4,16 @@ Plain Python (no torch). ``NgramProposer`` is prompt lookup: text that copies, c
 or edits a given text repeats it, so the tokens that followed the last time the
 request's latest few tokens appeared are a good guess for what follows now. A guess
 costs no forward pass; the target model checks every guessed token of a request in one
-step, and a wrong guess costs only the extra rows of that step.
+step, and a wrong guess costs only the extra rows of that step. ``drafter.py`` has the
+other proposer, a smaller model; the scheduler asks either through ``propose_batch``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import ClassVar
 
 from .sequence import Sequence
-
-if TYPE_CHECKING:  # only for type hints: the proposer never touches torch
-    from .config import SpeculativeConfig
 
 
 # --8<-- [start:ngram]
@@ -41,17 +39,24 @@ class NgramProposer:
         return []
 # --8<-- [end:ngram]
 
-    # --8<-- [start:propose_for]
-    def propose_for(self, seq: Sequence, max_model_len: int) -> list[int]:
-        """The guesses for a decoding request's next step: at most its lookahead, and never past its last token."""
-        if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending_tokens:
-            return []  # in the middle of its prompt, or its latest token is not known yet
-        end = max_model_len if seq.params.max_tokens is None else seq.num_prompt_tokens + seq.params.max_tokens
-        room = min(end, max_model_len) - seq.num_tokens - 1  # the step also samples the token after the guesses
-        return self.propose(seq.token_ids, min(seq.num_lookahead, room))
-    # --8<-- [end:propose_for]
+    holds_kv: ClassVar[bool] = False  # it runs no model: there are no keys and values of its own to keep
+    min_lookahead: ClassVar[int] = 1  # a lookup that finds nothing costs nothing: never stop looking
+
+    def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
+        """Each request's guesses, from its own tokens alone (the blocks are for a proposer that runs a model)."""
+        return [self.propose(seq.token_ids, n) for seq, n in zip(seqs, rooms)]
 
 
-def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    """What guesses each request's next tokens (None: nothing does, and m7 runs as m6)."""
-    return None if config is None else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+PROBE_INTERVAL = 8  # a request that stopped guessing (lookahead 0) guesses one token again every this many tokens
+
+
+# --8<-- [start:guess_room]
+def guess_room(seq: Sequence, max_model_len: int) -> int:
+    """How many tokens a request may guess in its next step: at most its lookahead, and never past its last token."""
+    if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending_tokens:
+        return 0  # in the middle of its prompt, or its latest token is not known yet
+    end = max_model_len if seq.params.max_tokens is None else seq.num_prompt_tokens + seq.params.max_tokens
+    room = min(end, max_model_len) - seq.num_tokens - 1  # the step also samples the token after the guesses
+    lookahead = seq.num_lookahead or int(seq.num_output_tokens % PROBE_INTERVAL == 0)  # stopped: a probe now and then
+    return max(0, min(lookahead, room))
+# --8<-- [end:guess_room]

@@ -24,21 +24,22 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
-from .proposer import make_proposer
+from .proposer import NgramProposer, guess_room
 from .radix_tree import Node, RadixTree
 from .sequence import Sequence, SequenceStatus, check_sequences
 from .step import ScheduledBatch
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
+    from .drafter import DraftModelProposer
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, proposer: NgramProposer | DraftModelProposer | None = None) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
-        self.proposer = make_proposer(config.speculative_config)  # m7
+        self.proposer = proposer  # m7: what guesses each request's next tokens (None: nothing does, as in m6)
         self.num_guessing = self.num_draft_tokens = 0  # m7: requests' steps that check guesses, and the guesses
         self.num_accepted_tokens = 0  # m7: of those guesses, the ones the model agreed with (the engine counts them)
         self.waiting: deque[Sequence] = deque()
@@ -116,17 +117,23 @@ class Scheduler:
     def _add_guesses(self, batch: ScheduledBatch, budget: int) -> None:
         """m7: guesses of each decoding request's next tokens, checked by this step with its last one. They get only
         the budget and free blocks that every request's own tokens left: a guess never delays nor preempts anyone."""
+        chosen, rooms = [], []
         for i, seq in enumerate(batch.seqs):
-            guesses = self.proposer.propose_for(seq, self.config.max_model_len)[: max(0, budget)]
-            end = seq.num_computed_tokens + 1 + len(guesses)
-            if guesses and self.block_manager.num_new_blocks(seq.request_id, end) <= self.block_manager.num_free_blocks:
-                seq.draft_token_ids = guesses
-                batch.num_new_tokens[i] += len(guesses)
-                batch.block_tables[i] = self.block_manager.grow(seq.request_id, end)
-                budget -= len(guesses)
-                seq.metrics.num_draft_tokens += len(guesses)
-                self.num_draft_tokens += len(guesses)
-                self.num_guessing += 1
+            slots = (len(batch.block_tables[i]) + self.block_manager.num_free_blocks) * self.config.block_size
+            room = min(guess_room(seq, self.config.max_model_len), budget, slots - seq.num_computed_tokens - 1)
+            if room > 0:  # blocks first: a draft model writes its keys and values in them as it guesses
+                batch.block_tables[i] = self.block_manager.grow(seq.request_id, seq.num_computed_tokens + 1 + room)
+                chosen.append(i)
+                rooms.append(room)
+                budget -= room
+        seqs, tables = [batch.seqs[i] for i in chosen], [batch.block_tables[i] for i in chosen]
+        for i, seq, guesses in zip(chosen, seqs, self.proposer.propose_batch(seqs, tables, rooms)):
+            self.block_manager.shrink(seq.request_id, seq.num_computed_tokens + 1 + len(guesses))  # what went unused
+            seq.draft_token_ids = guesses
+            batch.num_new_tokens[i] += len(guesses)
+            seq.metrics.num_draft_tokens += len(guesses)
+            self.num_draft_tokens += len(guesses)
+            self.num_guessing += bool(guesses)
     # --8<-- [end:add_guesses]
 
     def _samples_its_last_token(self, seq: Sequence) -> bool:
@@ -145,7 +152,7 @@ class Scheduler:
         self.tree.lock(node)
         self.locked[seq.request_id] = node
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
-        seq.num_processed_tokens = seq.num_cached_tokens  # blocks from the tree hold their keys and values
+        seq.num_processed_tokens = seq.num_drafted_tokens = seq.num_cached_tokens  # the tree's blocks hold their KV
 
     # --8<-- [start:cache]
     def _cache(self, seq: Sequence) -> None:
@@ -155,7 +162,10 @@ class Scheduler:
         its keys and values for good."""
         if self.tree is None:
             return
-        num_blocks = seq.num_processed_tokens // self.config.block_size
+        written = seq.num_processed_tokens
+        if self.proposer is not None and self.proposer.holds_kv:  # m7: a cached block holds both models' KV
+            written = min(written, seq.num_drafted_tokens)
+        num_blocks = written // self.config.block_size
         locked = self.locked[seq.request_id]
         if num_blocks * self.config.block_size <= sum(len(n.tokens) for n in _path(locked)):
             return  # nothing new since the last insert
@@ -168,9 +178,13 @@ class Scheduler:
         self.locked[seq.request_id] = node
     # --8<-- [end:cache]
 
+    # --8<-- [start:trim]
     def trim(self, seq: Sequence) -> None:
-        """m7: return the blocks that only rejected guesses reached; the tokens the request keeps need the rest."""
+        """m7: forget what rejected guesses left behind: the blocks only they reached, and a draft model's keys and
+        values from the first slot whose token changed (the model's own pick sits where a guess was)."""
         self.block_manager.shrink(seq.request_id, seq.num_tokens)
+        seq.num_drafted_tokens = min(seq.num_drafted_tokens, seq.num_tokens - 1)
+    # --8<-- [end:trim]
 
     def spec_stats(self) -> dict[str, int | float]:
         """m7: the guesses made and kept so far, over every request."""
@@ -203,7 +217,7 @@ class Scheduler:
         self.block_manager.free(seq.request_id)
         if seq.request_id in self.locked:
             self.tree.unlock(self.locked.pop(seq.request_id))
-        seq.num_computed_tokens = seq.num_processed_tokens = 0
+        seq.num_computed_tokens = seq.num_processed_tokens = seq.num_drafted_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""

@@ -61,6 +61,7 @@ class Sequence:
     num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
     draft_token_ids: list[int] = field(default_factory=list)  # m7: guesses of the tokens after the last, for a step
     num_lookahead: int = 0  # m7: how many tokens to guess next: up on each accepted guess, halved on a rejected one
+    num_drafted_tokens: int = 0  # m7, draft_model: tokens whose keys and values the draft model wrote (some rejected)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -111,6 +112,8 @@ class Sequence:
             f"and the {num_known} known ones at most max_model_len={max_model_len}"
         )
         assert not self.draft_token_ids or status is SequenceStatus.RUNNING, f"{name} waits with guesses"
+        assert self.num_drafted_tokens < max(1, self.num_tokens - pending), (
+            f"{name}: the draft model's keys and values reach a token not known yet, or one that changed")
         assert 0 <= self.num_processed_tokens <= self.num_computed_tokens, (
             f"{name}: num_processed_tokens={self.num_processed_tokens} exceeds num_computed_tokens"
         )

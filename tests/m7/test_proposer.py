@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from milestones.m7.detokenizer import IncrementalDetokenizer
-from milestones.m7.proposer import NgramProposer
+from milestones.m7.proposer import PROBE_INTERVAL, NgramProposer, guess_room
 from milestones.m7.sampling_params import SamplingParams
 from milestones.m7.sequence import Sequence
 
@@ -35,20 +35,30 @@ def sequence(prompt: list[int], max_tokens: int | None, generated: list[int]) ->
 
 
 def test_guesses_never_reach_past_the_requests_last_token():
-    proposer = NgramProposer(min_n=1, max_n=2)
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2]
-    assert proposer.propose_for(sequence(prompt, None, []), max_model_len=100) == [3, 4, 5, 6, 7]  # its lookahead
+    assert guess_room(sequence(prompt, None, []), max_model_len=100) == 5  # its lookahead
     # Two tokens of max_tokens left: the step samples after its last token and after each guess, so one guess.
-    assert proposer.propose_for(sequence(prompt, 4, [9, 1]), max_model_len=100) == [2]
-    assert proposer.propose_for(sequence(prompt, 4, [9, 1, 2]), max_model_len=100) == []
-    assert proposer.propose_for(sequence(prompt, None, []), max_model_len=12) == [3, 4]  # the context's end
+    assert guess_room(sequence(prompt, 4, [9, 1]), max_model_len=100) == 1
+    assert guess_room(sequence(prompt, 4, [9, 1, 2]), max_model_len=100) == 0
+    assert guess_room(sequence(prompt, None, []), max_model_len=12) == 2  # the context's end
+    seqs = [sequence(prompt, None, []), sequence(prompt, 4, [9, 1])]
+    assert NgramProposer(min_n=1, max_n=2).propose_batch(seqs, [[], []], [5, 1]) == [[3, 4, 5, 6, 7], [2]]
 
 
 def test_no_guess_before_the_prompt_is_done_or_while_the_last_token_is_unknown():
-    proposer = NgramProposer(min_n=1, max_n=2)
     seq = sequence([1, 2, 3, 1, 2], None, [])
     seq.num_computed_tokens = 2  # a prefill chunk is still to come
-    assert proposer.propose_for(seq, max_model_len=100) == []
+    assert guess_room(seq, max_model_len=100) == 0
     seq = sequence([1, 2, 3, 1, 2], None, [-1])  # a future id: the step in flight samples it
     seq.num_pending_tokens = 1
-    assert proposer.propose_for(seq, max_model_len=100) == []
+    assert guess_room(seq, max_model_len=100) == 0
+
+
+def test_a_request_that_stopped_guessing_probes_now_and_then():
+    """Lookahead 0 (a draft model's guesses kept failing): one guess every PROBE_INTERVAL tokens, none between."""
+    rooms = []
+    for generated in range(2 * PROBE_INTERVAL):
+        seq = sequence([1, 2, 3], None, list(range(10, 10 + generated)))
+        seq.num_lookahead = 0
+        rooms.append(guess_room(seq, max_model_len=100))
+    assert rooms == [1] + [0] * (PROBE_INTERVAL - 1) + [1] + [0] * (PROBE_INTERVAL - 1)

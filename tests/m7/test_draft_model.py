@@ -1,0 +1,136 @@
+"""m7 with a draft model: m6's tokens, the draft's keys and values kept in step with the target's.
+
+Two drafts of the tiny model. The model itself: its picks, with the same (seed, position)
+noise, are the target's, so every guess must be kept, greedy and sampled; a single rejected
+one means the draft read keys and values that a rollback, a preemption or a prefix-cache
+hit left wrong. Its first layer alone: a cheaper draft that is right only part of the
+time, so guesses are kept and rejected, and the output is still m6's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from milestones import m6, m7
+from milestones.model_store import first_layers_copy
+from tests.chain import assert_same_outputs, mixed_workload, run
+
+LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=32, enforce_eager=True)
+OPTIONS = [
+    dict(),  # the pool as m6 sizes it, prefix caching on
+    dict(enable_prefix_caching=False),
+    dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and guess again
+]
+IDS = ["default", "no-prefix-cache", "tight-pool"]
+
+
+def draft(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """Greedy and seeded requests, half of them with a shared start (prefix-cache hits), none stopping early: a
+    guess is checked only while its request runs, so every one of them counts."""
+    prompts, settings = mixed_workload(16, seed=5, max_prompt=50, max_output=36)
+    prompts = [prompts[0][:20] + p if i % 2 else p for i, p in enumerate(prompts)]
+    return prompts, [dict(s, ignore_eos=True) for s in settings]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path, workload):
+    return run(m6, m6.LLM(tiny_model_path, **LIMITS), *workload)
+
+
+@pytest.fixture(scope="module")
+def one_layer_draft(tiny_model_path, tmp_path_factory):
+    return first_layers_copy(tiny_model_path, 1, tmp_path_factory.mktemp("draft") / "first-layer")
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=IDS)
+def test_the_model_as_its_own_draft_has_every_guess_kept(tiny_model_path, workload, reference, options):
+    with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(tiny_model_path)) as llm:
+        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        stats = llm.engine.spec_stats()
+        assert stats["num_draft_tokens"] > 100
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"], f"a guess was rejected: {stats}"
+        if "num_kv_blocks" in options:
+            assert llm.engine.kv_usage()["num_preemptions"] > 0
+        elif options.get("enable_prefix_caching", True):
+            assert llm.engine.kv_usage()["prefix_hit_rate"] > 0
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=IDS)
+def test_a_smaller_draft_is_right_part_of_the_time_and_m7_still_matches_m6(tiny_model_path, one_layer_draft,
+                                                                           workload, reference, options):
+    with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(one_layer_draft, k=4)) as llm:
+        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        stats = llm.engine.spec_stats()
+        assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], f"both paths must run: {stats}"
+        assert llm.engine.kv_usage()["blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize("options", [OPTIONS[0], OPTIONS[2]], ids=[IDS[0], IDS[2]])
+def test_each_guess_is_what_the_draft_model_itself_would_say(tiny_model_path, one_layer_draft, workload, options):
+    """Every proposal equals the draft model's own continuation of the request's tokens, run by m6 from scratch
+    with the request's sampling and seed: after rejections and preemptions the draft reads the right keys and
+    values (a stale one would make it say something else)."""
+    proposals = []
+    with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(one_layer_draft, k=4)) as llm:
+        proposer = llm.engine.scheduler.proposer
+        propose = proposer.propose_batch
+
+        def recorded(seqs, tables, rooms):
+            guesses = propose(seqs, tables, rooms)
+            proposals.extend((list(seq.token_ids), seq.params, seq.seed, list(g)) for seq, g in zip(seqs, guesses))
+            return guesses
+
+        proposer.propose_batch = recorded
+        run(m7, llm, *workload)
+    assert len(proposals) > 50
+    params = [m6.SamplingParams(**{f.name: getattr(p, f.name) for f in dataclasses.fields(p)} | dict(
+        max_tokens=len(guesses), seed=seed, ignore_eos=True, stop=(), stop_token_ids=()))
+        for _, p, seed, guesses in proposals]
+    with m6.LLM(one_layer_draft, **LIMITS) as reference:
+        outs = reference.generate([tokens for tokens, *_ in proposals], params, use_tqdm=False)
+    for (tokens, _, _, guesses), out in zip(proposals, outs):
+        assert guesses == list(out.outputs[0].token_ids), f"after {len(tokens)} tokens the draft guessed {guesses}, " \
+            f"but the draft model alone says {list(out.outputs[0].token_ids)}"
+
+
+def test_first_layers_copy_keeps_the_first_layers(tiny_model_path, one_layer_draft):
+    from safetensors import safe_open
+
+    assert json.loads((one_layer_draft / "config.json").read_text())["num_hidden_layers"] == 1
+    with safe_open(one_layer_draft / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert any(".layers.0." in n for n in names) and not any(".layers.1." in n for n in names)
+    assert (one_layer_draft / "tokenizer.json").is_file()
+    with pytest.raises(ValueError, match="num_layers must be in \\[1, 2\\]"):
+        first_layers_copy(tiny_model_path, 3, one_layer_draft.parent / "too-many")
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tiny_model_path, tmp_path):
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tiny_model_path, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[100:102]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens trade ids: the same size, another map
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="has another tokenizer than the target's"):
+        m7.LLM(tiny_model_path, **LIMITS, speculative_config=draft(other))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "only method 'draft_model' has one, which it needs"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only method 'draft_model' has one"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": 3}, "model must be a path"),
+])
+def test_bad_draft_configs_are_refused(tiny_model_path, config, message):
+    with pytest.raises(ValueError, match=message):
+        m7.LLM(tiny_model_path, **LIMITS, speculative_config=config)
