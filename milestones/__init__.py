@@ -28,5 +28,5 @@ CHANGED_FILES: dict[str, set[str]] = {
            "sequence.py", "scheduler.py", "worker.py", "future_map.py", "step.py"},
     # speculative decoding: a proposer, guesses checked as a chunk with a sample row each, rejected ones rolled back
     "m7": {"__init__.py", "config.py", "engine.py", "scheduler.py", "sequence.py", "model_runner.py", "step.py",
-           "block_manager.py", "proposer.py", "drafter.py"},
+           "sampler.py", "block_manager.py", "proposer.py", "drafter.py"},
 }

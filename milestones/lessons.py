@@ -173,6 +173,12 @@ LESSONS: dict[str, tuple[Step, ...]] = {
               Exercise("scheduler.py", "trim", ("Scheduler.trim",),
                        "after a rejected guess: shrink the request's blocks to its tokens, and count the draft's "
                        "keys and values only up to the slot whose token changed."))),
+        Step("rejection sampling: the model's distribution, not m6's tokens", ("tests/m7/test_rejection.py",),
+             "keep a guess when u * q(guess) < p(guess); otherwise draw from max(p - q, 0), never from p itself",
+             (Exercise("sampler.py", "rejection_sample", ("rejection_sample",),
+                       "for each row, keep the guess with probability min(1, p/q) at the guess (q one-hot when "
+                       "no guess_probs are given), else pick from the residual max(p - q, 0) with the exponential "
+                       "race over the given noise."),)),
         contract("m7"),
     ),
     # --8<-- [end:m7]

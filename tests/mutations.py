@@ -207,7 +207,8 @@ CATALOGUE = (
     ),
     Mutation(
         "m7-one-noise-per-step", "milestones/m7/step.py",
-        "return cls(seq.params, seq.seed, position + 1)", "return cls(seq.params, seq.seed, seq.num_tokens)",
+        "return cls(seq.params, seq.seed, position + 1, guess)",
+        "return cls(seq.params, seq.seed, seq.num_tokens, guess)",
         ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
         "every row of a request draws the noise of its first, not of the position it samples",
     ),
@@ -228,6 +229,12 @@ CATALOGUE = (
         "            written = min(written, seq.num_drafted_tokens)\n", "            pass\n",
         ("tests/m7/test_draft_model.py::test_the_model_as_its_own_draft_has_every_guess_kept",),
         "the prefix cache takes blocks whose draft-model keys and values were never written",
+    ),
+    Mutation(
+        "m7-rejection-without-residual", "milestones/m7/sampler.py",
+        "    residual = (probs - q).clamp(min=0)", "    residual = probs",
+        ("tests/m7/test_rejection.py::test_the_tokens_follow_the_targets_probabilities_whatever_the_draft",),
+        "a rejected guess is replaced by a draw from the model's probabilities, not from what the guess left over",
     ),
 )
 # --8<-- [end:catalogue]

@@ -97,6 +97,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2  # ngram: the shortest run of latest tokens looked up
     prompt_lookup_max: int = 4  # ngram: the longest, tried first
     model: str | None = None  # draft_model: the draft (a name or folder, as LLM's model), with the target's tokenizer
+    acceptance: str = "exact"  # "exact": a guess counts if it is the pick m6 makes (m6's tokens); "rejection": the
+    # standard rule, kept with probability p(guess): the same distribution as m6, other tokens when sampling
 
     @classmethod
     def from_dict(cls, given: dict) -> SpeculativeConfig:
@@ -112,6 +114,9 @@ class SpeculativeConfig:
         if (config.method == "draft_model") != (config.model is not None):
             raise ValueError("speculative_config: 'model' names the draft, and only method 'draft_model' has one, "
                              f"which it needs; got method {config.method!r} with model {config.model!r}")
+        if config.acceptance == "rejection" and config.method == "draft_model":
+            raise ValueError("speculative_config: acceptance 'rejection' needs the draft's probabilities for each "
+                             "guess, which m7 does not carry yet: use it with method 'ngram', or keep 'exact'")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
                              f"prompt_lookup_max ({config.prompt_lookup_max})")
@@ -124,6 +129,7 @@ SPECULATIVE_OPTIONS = {
     "prompt_lookup_min": options.POSITIVE,
     "prompt_lookup_max": options.POSITIVE,
     "model": options.PATH_OR_NONE,
+    "acceptance": options.one_of("exact", "rejection"),
 }
 # --8<-- [end:speculative_config]
 

@@ -63,6 +63,7 @@ class ModelRunner:
         speculative = config.speculative_config  # m7: a request samples after its last token and after each guess
         rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
         self.future_map = FutureMap(2 * config.max_num_seqs * rows_per_seq, config.device)
+        self.rejection = speculative is not None and speculative.acceptance == "rejection"  # m7: how guesses are judged
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
@@ -104,7 +105,7 @@ class ModelRunner:
         else:
             forward = self.prepare_inputs(batch)
             sample_seqs, positions = forward.sample_seqs, [forward.positions[row] for row in forward.sample_rows]
-        return StepInputs(forward, [SamplingRow.of(seq, p) for seq, p in zip(sample_seqs, positions)],
+        return StepInputs(forward, [SamplingRow.of(seq, p, self.rejection) for seq, p in zip(sample_seqs, positions)],
                           self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
     @torch.inference_mode()

@@ -34,8 +34,24 @@ class Sampler:
             probs = self.filtered_probs(logits[index] / temperature[:, None], sampled)
             noise = torch.stack([self.exponential_noise(s, probs.shape[-1]) for s in sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
+            judged = [j for j, s in enumerate(sampled) if s.guess is not None]  # m7, acceptance "rejection"
+            if judged:
+                tokens[index[judged]] = self.judge_guesses(probs[judged], [sampled[j] for j in judged])
         return tokens
     # --8<-- [end:sample]
+
+    # --8<-- [start:judge_guesses]
+    def judge_guesses(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """m7, acceptance "rejection": each row's guess, or the pick that replaces it, with random numbers of their
+        own (seeded by the request's seed and the position, salted), so the picks follow the model's probabilities."""
+        uniforms, noise = [], []
+        for row in rows:
+            self.generator.manual_seed(noise_seed(row.seed ^ REJECTION_SALT, row.num_tokens))
+            uniforms.append(torch.rand((), generator=self.generator, device=self.device))
+            noise.append(torch.empty(probs.shape[-1], device=self.device).exponential_(generator=self.generator))
+        guesses = to_device([row.guess for row in rows], torch.long, self.device)
+        return rejection_sample(probs, guesses, torch.stack(uniforms), torch.stack(noise))
+    # --8<-- [end:judge_guesses]
 
     # --8<-- [start:filtered_probs]
     def filtered_probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
@@ -76,3 +92,22 @@ def noise_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return z ^ (z >> 31)
 # --8<-- [end:exponential_noise]
+
+
+# --8<-- [start:rejection_sample]
+REJECTION_SALT = 0x5EC0_ADD5  # keeps a row's acceptance numbers apart from the noise that drew its guess
+
+
+def rejection_sample(probs: torch.Tensor, guesses: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor,
+                     guess_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Speculative sampling's rule, one row per guess: keep guess x with probability min(1, p(x) / q(x)), else draw
+    from what is left of p once q is taken out, max(p - q, 0), normalised. Whatever q is, the token that comes out
+    follows p. q is the proposer's distribution, one row per guess (None: each guess was certain, as prompt
+    lookup's are). ``uniforms``: one U(0, 1) per row; ``noise``: Exponential(1) per row and token, for the draw."""
+    q = guess_probs if guess_probs is not None else torch.nn.functional.one_hot(guesses, probs.shape[-1]).to(probs)
+    p_guess = probs.gather(-1, guesses[:, None])[:, 0]
+    q_guess = q.gather(-1, guesses[:, None])[:, 0]
+    keep = uniforms * q_guess < p_guess  # u < p(x) / q(x), without dividing by a q(x) of 0
+    residual = (probs - q).clamp(min=0)  # never the guess itself when it is rejected: there p(x) < q(x)
+    return torch.where(keep, guesses, (residual / noise).argmax(dim=-1))
+# --8<-- [end:rejection_sample]

@@ -63,11 +63,16 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
+    guess: int | None = None  # m7, acceptance "rejection": the guess this row's pick decides on (None: pick freely)
 
     @classmethod
-    def of(cls, seq: Sequence, position: int) -> SamplingRow:
+    def of(cls, seq: Sequence, position: int, rejection: bool = False) -> SamplingRow:
         """The row that reads the token at ``position`` (m7: a guess, or the last token) and samples the next."""
-        return cls(seq.params, seq.seed, position + 1)
+        guess = None
+        if rejection:  # m7: the guess that stands where this row's token goes, if any
+            ahead = position + 1 - seq.num_tokens
+            guess = seq.draft_token_ids[ahead] if 0 <= ahead < len(seq.draft_token_ids) else None
+        return cls(seq.params, seq.seed, position + 1, guess)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,114 @@
+"""m7's second acceptance rule, ``"acceptance": "rejection"``: the model's distribution kept, not m6's tokens.
+
+The rule itself is checked statistically: with fixed seeds, a vocabulary of five tokens and
+20,000 rows, the tokens it gives must follow the target's probabilities p (a chi-square test),
+whatever distribution q the guesses were drawn from. Drawing from p instead of the residual
+max(p - q, 0) after a rejection gives p(x) twice a chance at a rejected guess's neighbours and
+fails it (the mutation catalogue plants exactly that). In the engine, greedy requests still
+give m6's tokens: with a certain pick, keeping a guess with probability p(guess) is matching it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from milestones import m6, m7
+from milestones.m7.sampler import rejection_sample
+from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.m7.test_vs_m6 import LIMITS, NGRAM, OracleProposer
+
+P = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])  # the target's probabilities
+ROWS = 20_000
+CHI2_CRITICAL = 18.47  # 4 degrees of freedom, a 0.1% chance of failing a correct rule
+
+
+def chi_square(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=len(p)).double()
+    expected = p.double() * len(tokens)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def judged(q: torch.Tensor | None, guess_from: torch.Tensor, seed: int) -> torch.Tensor:
+    """ROWS rows with the target's P: guesses drawn from ``guess_from``, judged against q (None: certain guesses)."""
+    generator = torch.Generator().manual_seed(seed)
+    guesses = torch.multinomial(guess_from, ROWS, replacement=True, generator=generator)
+    uniforms = torch.rand(ROWS, generator=generator)
+    noise = torch.empty(ROWS, len(P)).exponential_(generator=generator)
+    return rejection_sample(P.expand(ROWS, -1), guesses, uniforms, noise, None if q is None else q.expand(ROWS, -1))
+
+
+@pytest.mark.parametrize("q", [
+    torch.tensor([0.1, 0.4, 0.1, 0.3, 0.1]),  # a draft that is often wrong
+    torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1]),  # one close to the target
+    torch.tensor([0.0, 0.0, 0.0, 0.5, 0.5]),  # one that never guesses the likeliest tokens
+], ids=["far", "close", "tail-only"])
+def test_the_tokens_follow_the_targets_probabilities_whatever_the_draft(q):
+    tokens = judged(q, q, seed=1)
+    statistic = chi_square(tokens, P)
+    assert statistic < CHI2_CRITICAL, f"chi-square {statistic:.1f} over {CHI2_CRITICAL} (5 tokens, {ROWS} rows): " \
+        f"counts {torch.bincount(tokens, minlength=5).tolist()} against {(P * ROWS).tolist()}"
+    assert torch.equal(tokens, judged(q, q, seed=1)), "the same seeds must give the same tokens"
+
+
+@pytest.mark.parametrize("guess_from", [torch.tensor([0.2] * 5), torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0])],
+                         ids=["uniform-guesses", "always-the-rarest"])
+def test_certain_guesses_as_prompt_lookup_makes_them(guess_from):
+    """A proposer without probabilities (q is the guess itself): kept with probability p(guess), else p without it."""
+    tokens = judged(None, guess_from, seed=2)
+    statistic = chi_square(tokens, P)
+    assert statistic < CHI2_CRITICAL, f"chi-square {statistic:.1f} over {CHI2_CRITICAL}: " \
+        f"counts {torch.bincount(tokens, minlength=5).tolist()} against {(P * ROWS).tolist()}"
+
+
+def test_the_test_fails_without_the_residual():
+    """The same rule drawing a rejected guess's replacement from p itself: the chi-square test must see it."""
+    q = torch.tensor([0.1, 0.4, 0.1, 0.3, 0.1])
+    generator = torch.Generator().manual_seed(1)
+    guesses = torch.multinomial(q, ROWS, replacement=True, generator=generator)
+    uniforms = torch.rand(ROWS, generator=generator)
+    noise = torch.empty(ROWS, len(P)).exponential_(generator=generator)
+    keep = uniforms * q[guesses] < P[guesses]
+    tokens = torch.where(keep, guesses, (P / noise).argmax(dim=-1))
+    assert chi_square(tokens, P) > 10 * CHI2_CRITICAL
+
+
+@dataclasses.dataclass(frozen=True)
+class LenientOracle(OracleProposer):
+    """m6's continuation, wrong every third position, while the request still follows m6; then no guess."""
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        try:
+            return OracleProposer.propose(self, token_ids, num_tokens)
+        except StopIteration:  # a sampled request that rejection sampling took elsewhere
+            return []
+
+
+def test_greedy_requests_still_give_m6s_tokens_and_sampled_ones_finish(tiny_model_path):
+    prompts, settings = mixed_workload(12, seed=13, max_prompt=40, max_output=30)
+    reference = run(m6, m6.LLM(tiny_model_path, **LIMITS), prompts, settings)
+    config = NGRAM | {"acceptance": "rejection"}
+    with m7.LLM(tiny_model_path, **LIMITS, speculative_config=config) as llm:
+        futures = tuple(tuple(p) + tuple(c.token_ids) for p, c in zip(prompts, reference))
+        llm.engine.scheduler.proposer = LenientOracle(1, 1, futures)
+        ours = run(m7, llm, prompts, settings)
+        stats = llm.engine.spec_stats()
+    greedy = [i for i, s in enumerate(settings) if s.get("temperature") == 0]
+    assert greedy
+    assert_same_outputs([ours[i] for i in greedy], [reference[i] for i in greedy])
+    for completion, setting in zip(ours, settings):
+        assert completion.finish_reason in ("stop", "length") and len(completion.token_ids) <= setting["max_tokens"]
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    sampled = [i for i in range(len(settings)) if i not in greedy]
+    assert any(ours[i] != reference[i] for i in sampled), "no sampled request left m6's tokens: was a guess judged?"
+
+
+def test_rejection_with_a_draft_model_is_refused(tiny_model_path):
+    config = {"method": "draft_model", "model": str(tiny_model_path), "num_speculative_tokens": 2,
+              "acceptance": "rejection"}
+    with pytest.raises(ValueError, match="acceptance 'rejection' needs the draft's probabilities"):
+        m7.LLM(tiny_model_path, **LIMITS, speculative_config=config)
+    with pytest.raises(ValueError, match="acceptance must be 'exact' or 'rejection'"):
+        m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM | {"acceptance": "greedy"})
