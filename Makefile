@@ -87,8 +87,8 @@ GPU_OUT ?= gpu-results
 gpu-check:
 	status=0; \
 	$(GPU_PYTHON) -m tests.gpu_runbook preflight $(GPU_OUT) || exit 1; \
-	for group in reference chain graphs; do $(GPU_PYTHON) -m tests.gpu_runbook tests $(GPU_OUT) --group $$group || status=1; done; \
-	for group in graphs eager hf; do $(GPU_PYTHON) -m tests.gpu_runbook bench $(GPU_OUT) --group $$group || status=1; done; \
+	for group in reference chain graphs speculative; do $(GPU_PYTHON) -m tests.gpu_runbook tests $(GPU_OUT) --group $$group || status=1; done; \
+	for group in graphs eager hf speculative; do $(GPU_PYTHON) -m tests.gpu_runbook bench $(GPU_OUT) --group $$group || status=1; done; \
 	exit $$status
 
 lint: $(STAMP)

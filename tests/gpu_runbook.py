@@ -11,9 +11,11 @@ python3 -m tests.gpu_runbook preflight OUT             # GPU, versions, the mode
 python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transformers, defaults
 python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
 python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
+python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
 python3 -m tests.gpu_runbook bench OUT --group graphs  # m5, m6 against their switches turned off
 python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
 python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers, in one run
+python3 -m tests.gpu_runbook bench OUT --group speculative  # m7's guesses (ngram, a draft) against m6, batch 1
 # --8<-- [end:steps]
 
 Then ``python examples/gpu_figures.py DIR...`` (here, on the returned folders) puts the figures in the
@@ -51,6 +53,7 @@ TEST_GROUPS = {
     "reference": "m1_matches_transformers or m1_in_bfloat16 or cuda_and_cpu_agree or defaults_on_a_gpu",
     "chain": "the_chain_holds",
     "graphs": "m5_ or m6_",
+    "speculative": "m7_",
 }
 
 
@@ -68,10 +71,14 @@ BENCH_GROUPS = {
     "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed", ("--batch-sizes", "8,64", "--max-num-seqs", "64")),
     # m6 and transformers in one run: the ratio is taken inside it.
     "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1")),
+    # m7 against m6 at batch 1 (a random model copies nothing: what guessing costs where it finds little).
+    "speculative": BenchGroup("m6,m7@ngram,m7@draft", "grounded,open",
+                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8")),
 }
 CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
                        "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
-                       "--output-len-range", "2,6", "--hf-batch-size", "2", "--m1-requests", "3")
+                       "--output-len-range", "2,6", "--hf-batch-size", "2", "--m1-requests", "3",
+                       "--chat-requests", "2", "--draft-layers", "1")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

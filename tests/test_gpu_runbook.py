@@ -134,7 +134,7 @@ def test_a_row_that_raises_fails_the_step_and_is_kept_in_the_json(rehearsal, tmp
 
 def test_groups_need_a_known_name(tmp_path):
     proc = runbook("bench", str(tmp_path), "--group", "everything")
-    assert proc.returncode == 2 and "bench needs --group, one of: graphs, eager, hf" in proc.stderr
+    assert proc.returncode == 2 and "bench needs --group, one of: graphs, eager, hf, speculative" in proc.stderr
 
 
 def collected(*args: str) -> set[str]:

@@ -27,6 +27,8 @@ def write_plot(results: dict, path: Path) -> None:
         "shared": f"shared prefix: {config['num_requests']} requests, "
                   f"{config['shared_prefix_len']}-token system prompt",
         "small": f"small: {SMALL_REQUESTS} requests of 4-16 tokens in and out",
+        "grounded": f"grounded: {config.get('chat_requests')} chat requests that copy or edit a passage",
+        "open": f"open: {config.get('chat_requests')} chat requests with nothing to copy",
     }
     most_bars = max(sum(r["workload"] == w for r in ok) for w in workloads)
     width = max(5.5, 0.85 * most_bars)  # room for every bar's label
