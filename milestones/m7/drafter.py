@@ -58,7 +58,6 @@ class DraftModelProposer:
                              f"{model_config.max_position_embeddings} tokens; lower max_model_len to that")
         # The same pool size and block size as the target's (num_kv_blocks is resolved by now): the same tables.
         self.runner = ModelRunner(replace(config, enforce_eager=True, speculative_config=None), model_config, path)
-        self.num_forwards = 0
 
     def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
         """Up to ``rooms[i]`` guesses for request i, whose block table ``tables[i]`` has the slots for them."""
@@ -71,7 +70,6 @@ class DraftModelProposer:
                                    [len(views[i].token_ids) - views[i].num_computed_tokens for i in active],
                                    [tables[i] for i in active])
             tokens = self.runner.execute(self.runner.prepare(batch)).tolist()
-            self.num_forwards += 1
             for i, token in zip(active, tokens):
                 views[i].num_computed_tokens = len(views[i].token_ids)
                 views[i].token_ids.append(token)
