@@ -163,6 +163,13 @@ LESSONS: dict[str, tuple[Step, ...]] = {
               Exercise("block_manager.py", "shrink", ("BlockManager.shrink",),
                        "release the blocks at the end of a request's table that its first num_tokens tokens do "
                        "not need."))),
+        Step("a checking step replayed: a decode step with a row per token", ("tests/m7/test_vs_m6.py", "-k",
+                                                                               "replayed"),
+             "each guess is a row of its own: its position, its slot, the request's table, and a context that "
+             "ends at itself, so it reads the rows before it and none after",
+             (Exercise("model_runner.py", "decode_inputs", ("ModelRunner.decode_inputs",),
+                       "give every request's last token and each of its guesses a row: token, position, slot, "
+                       "block table and context length, and the request that samples after it."),)),
         Step("a draft model guesses, in the requests' own blocks", ("tests/m7/test_draft_model.py",),
              "the draft computes what it has not seen (from num_drafted_tokens), then one guess per forward; a "
              "rejected guess's slot holds another token afterwards, so trim counts the draft's KV back too",

@@ -231,6 +231,12 @@ CATALOGUE = (
         "the prefix cache takes blocks whose draft-model keys and values were never written",
     ),
     Mutation(
+        "m7-guess-row-reads-later-guesses", "milestones/m7/model_runner.py",
+        "span.block_table, start + i + 1)", "span.block_table, end)",
+        ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
+        "each row of a checking step attends to the whole step, so a guess sees the guesses after it",
+    ),
+    Mutation(
         "m7-rejection-without-residual", "milestones/m7/sampler.py",
         "    residual = (probs - q).clamp(min=0)", "    residual = probs",
         ("tests/m7/test_rejection.py::test_the_tokens_follow_the_targets_probabilities_whatever_the_draft",),

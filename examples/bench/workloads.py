@@ -10,6 +10,9 @@ batch   decode at each of --batch-sizes: B requests at once, each its own --deco
 grounded  chat requests that ask to copy or rewrite a passage they contain: the answer repeats the prompt, what
         m7's prompt lookup guesses well (milestone rows only; --max-num-seqs 1 for batch 1).
 open    chat requests with nothing to copy (stories, explanations): where guessing finds little.
+        Both end at the answer's end-of-sequence token, as a served chat answer does (every row makes the same
+        tokens, so the same work): forced on past it, the model chatters on in turns of its own invention, which
+        time something else than the copy or the story.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class Request:
 
     prompt_ids: list[int]
     max_tokens: int  # forced with ignore_eos: every row generates exactly this many
+    ignore_eos: bool = True  # False: the request ends at its end-of-sequence token, as a chat answer does
 
 
 @dataclass(slots=True)
@@ -99,7 +103,7 @@ def make_grounded_workload(tokenizer, n: int, seed: int) -> list[Request]:
         start = rng.randrange(0, len(text) - length)
         passage = tokenizer.decode(text[start : start + length]).strip()
         prompt = chat_token_ids(tokenizer, f"{GROUNDED_ASKS[i % len(GROUNDED_ASKS)]}\n\n{passage}")
-        requests.append(Request(prompt, length + 8))
+        requests.append(Request(prompt, length + 8, ignore_eos=False))
     return requests
 
 
@@ -107,7 +111,7 @@ def make_open_workload(tokenizer, n: int, seed: int) -> list[Request]:
     """Chat requests with nothing in them to copy, 48 to 96 output tokens each."""
     rng = random.Random(seed)
     asks = [OPEN_ASKS[i % len(OPEN_ASKS)].format(TOPICS[(i // len(OPEN_ASKS) + i) % len(TOPICS)]) for i in range(n)]
-    return [Request(chat_token_ids(tokenizer, ask), rng.randint(48, 96)) for ask in asks]
+    return [Request(chat_token_ids(tokenizer, ask), rng.randint(48, 96), ignore_eos=False) for ask in asks]
 
 
 def make_mixed_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

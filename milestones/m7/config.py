@@ -61,14 +61,6 @@ class EngineConfig:
                              "could ever fill a block; use a smaller block_size (16 is the default)")
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
         check_attention_backend(self.attention_backend, device, dtype)  # another one
-        sizes = self.cudagraph_capture_sizes
-        if sizes is None:
-            sizes = default_capture_sizes(device, self.max_num_seqs)
-        elif not isinstance(sizes, (list, tuple)) or not sizes or any(
-            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs for s in sizes
-        ):
-            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of batch sizes in [1, max_num_seqs="
-                             f"{self.max_num_seqs}], got {sizes!r}")
         # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
@@ -77,6 +69,17 @@ class EngineConfig:
             speculative = asdict(speculative)
         if speculative is not None:
             speculative = SpeculativeConfig.from_dict(speculative)
+        # m7: a checking step is replayed as a decode step with a row per token, 1 + k rows a request
+        rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            sizes = default_capture_sizes(device, self.max_num_seqs, rows_per_seq)
+        elif not isinstance(sizes, (list, tuple)) or not sizes or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs * rows_per_seq
+            for s in sizes
+        ):
+            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of row counts in [1, max_num_seqs * "
+                             f"(1 + num_speculative_tokens) = {self.max_num_seqs * rows_per_seq}], got {sizes!r}")
         if speculative is not None and overlap:
             if self.async_scheduling is True:
                 raise ValueError("async_scheduling=True cannot overlap speculative steps: the proposer needs each "
@@ -154,7 +157,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
 
 
 # --8<-- [start:default_capture_sizes]
-def default_capture_sizes(device: torch.device, max_num_seqs: int) -> list[int]:
+def default_capture_sizes(device: torch.device, max_num_seqs: int, rows_per_seq: int = 1) -> list[int]:
     """The decode batch sizes captured when none are given, capped at ``max_num_seqs`` (always the largest).
 
     On CUDA, as nano-vllm does: 1, 2, 4, 8, then every 16. On a CPU each size is a torch.compile
@@ -162,12 +165,16 @@ def default_capture_sizes(device: torch.device, max_num_seqs: int) -> list[int]:
     cache (dynamo traces the model again), so only two: 1, the interactive case, and 4, which
     batches of 2 and 3 pad up to. A CPU step streams every weight once whatever the batch, so a
     few padding rows cost little.
+
+    m7: a size counts rows, and a checking step has ``rows_per_seq`` (1 + k) of them a request. On
+    CUDA the sizes go up to ``max_num_seqs`` such requests; a CPU adds one size, one request's
+    checking step (batch 1, the case where speculation pays most).
     """
     if device.type == "cuda":
-        base, largest = [1, 2, 4, 8, *range(16, 513, 16)], max_num_seqs
+        base, largest = [1, 2, 4, 8, *range(16, 513, 16)], max_num_seqs * rows_per_seq
     else:
-        base, largest = [1], min(max_num_seqs, 4)
-    return sorted({size for size in base if size < largest} | {largest})
+        base, largest = [1, rows_per_seq], min(max_num_seqs, 4)
+    return sorted({size for size in base if size < largest or size == rows_per_seq} | {largest})
 # --8<-- [end:default_capture_sizes]
 
 

@@ -30,6 +30,7 @@ from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
+from .sequence import Sequence
 from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs
 
 
@@ -99,8 +100,9 @@ class ModelRunner:
     # --8<-- [start:execute]
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The host's half of a step: what to compute, as plain lists, and a future id for every token to sample."""
-        if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
-            forward, sample_seqs = self.decode_inputs(batch), list(batch.seqs)
+        if (self.graph_runner is not None and self.is_decode_step(batch)
+                and self.graph_runner.fits(self.num_decode_rows(batch))):
+            forward, sample_seqs = self.decode_inputs(batch)
             positions = forward.positions
         else:
             forward = self.prepare_inputs(batch)
@@ -140,7 +142,10 @@ class ModelRunner:
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
-            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
+            if self.decode_kernel is None or (num_new > 1 and start + 1 < len(seq.token_ids)):  # a prompt chunk
+                requests.append(span)
+            else:  # one token, or m7: a token and its guesses, a kernel row apiece as in a replayed step
+                decodes += [RequestSpan(row + i, row + i + 1, span.block_table, start + i + 1) for i in range(num_new)]
             if end == len(tokens):  # the chunk reaches the end: its last token, and each guess, predicts the next one
                 num_rows = 1 + len(seq.draft_token_ids)
                 sample_rows += range(row + num_new - num_rows, row + num_new)
@@ -165,23 +170,33 @@ class ModelRunner:
 
     @staticmethod
     def is_decode_step(batch: ScheduledBatch) -> bool:
-        """Does every request compute exactly its last token (and so sample the next one)?"""
-        return all(num_new == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+        """Does every request compute exactly its last token (m7: and its guesses), and so sample after each?"""
+        return all(seq.num_computed_tokens + 1 == seq.num_tokens and num_new == 1 + len(seq.draft_token_ids)
                    for seq, num_new in zip(batch.seqs, batch.num_new_tokens))
 
+    @staticmethod
+    def num_decode_rows(batch: ScheduledBatch) -> int:
+        """m7: a decode step has a row per token, so a checking step has 1 + guesses rows a request."""
+        return sum(batch.num_new_tokens)
+
     # --8<-- [start:decode_inputs]
-    def decode_inputs(self, batch: ScheduledBatch) -> DecodeInputs:
-        """Each request's one new token, where its key and value go, and the blocks it reads."""
+    def decode_inputs(self, batch: ScheduledBatch) -> tuple[DecodeInputs, list[Sequence]]:
+        """Each request's one new token (m7: and each guess, a row apiece), where its key and value go, and the
+        blocks it reads; who samples after each row. A guess's row reads the rows before it, as it would in a
+        chunk: each row's keys and values are written before any row attends, and its context ends at itself."""
         block_size = self.config.block_size
-        inputs = DecodeInputs([], [], [], [], [])
+        inputs, sample_seqs = DecodeInputs([], [], [], [], []), []
         for seq, table in zip(batch.seqs, batch.block_tables):
-            position = seq.num_computed_tokens
-            inputs.token_ids.append(seq.token_ids[position])
-            inputs.positions.append(position)
-            inputs.slots.append(table[position // block_size] * block_size + position % block_size)
-            inputs.block_tables.append(list(table))  # a copy: the host grows the live table while the step runs
-            inputs.context_lens.append(position + 1)
-        return inputs
+            tokens = (seq.token_ids + seq.draft_token_ids)[seq.num_computed_tokens:]  # m7: a token and its guesses
+            table = list(table)  # a copy: the host grows the live table while the step runs
+            for position, token in enumerate(tokens, seq.num_computed_tokens):
+                inputs.token_ids.append(token)
+                inputs.positions.append(position)
+                inputs.slots.append(table[position // block_size] * block_size + position % block_size)
+                inputs.block_tables.append(table)
+                inputs.context_lens.append(position + 1)
+                sample_seqs.append(seq)
+        return inputs, sample_seqs
     # --8<-- [end:decode_inputs]
 
     def graph_stats(self) -> dict[str, object]:

@@ -15,7 +15,9 @@ import pytest
 
 from milestones import m6, m7
 from milestones.m7.proposer import NgramProposer
+from milestones.m7.step import DecodeInputs
 from tests.chain import Completion, assert_same_outputs, mixed_workload, run
+from tests.conftest import needs_compiler
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24, enforce_eager=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -73,6 +75,26 @@ def test_m7_matches_m6(tiny_model_path, workload, reference, options):
         assert_guessed_both_ways(llm)
         if "num_kv_blocks" in options:
             assert llm.engine.kv_usage()["num_preemptions"] > 0
+
+
+@needs_compiler
+def test_checking_steps_are_replayed_and_give_m6s_tokens(tiny_model_path, workload, reference):
+    """A checking step is a decode step with a row per token: it fits m5's captured buckets, which count rows."""
+    sizes = [5, 10]  # one request with 4 guesses, two; more rows than 10 run eagerly
+    captured = dict(LIMITS, enforce_eager=False, cudagraph_capture_sizes=sizes)
+    with speculating(m7.LLM(tiny_model_path, **captured, speculative_config=NGRAM), workload[0], reference) as llm:
+        runner, replayed = llm.engine.runner, []
+        real_run = runner.graph_runner.run
+
+        def counting(inputs: DecodeInputs, future_map):
+            replayed.append((len(inputs.token_ids), len({id(table) for table in inputs.block_tables})))
+            return real_run(inputs, future_map)
+
+        runner.graph_runner.run = counting
+        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        assert_guessed_both_ways(llm)
+        assert any(rows > seqs for rows, seqs in replayed), f"no replayed step checked a guess: {replayed}"
+        assert llm.engine.graph_stats()["eager_steps"] > 0
 
 
 def test_without_speculative_config_m7_is_m6(tiny_model_path, workload, reference):
