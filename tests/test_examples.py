@@ -104,11 +104,12 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
 
 def test_benchmark_grounded_and_open_workloads_with_m7_guessing(tiny_model_path, tmp_path):
     """m7's rows (prompt lookup, and a draft cut from the model) report the guesses they made and kept, and give the
-    m6 row's tokens on both chat workloads."""
+    m6 row's tokens on both chat workloads, sampled with a seed per request."""
     out, guessing = tmp_path / "bench.json", ("m7@eager+ngram", "m7@eager+draft")
     run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
                "--engines", f"m6@eager,{','.join(guessing)}", "--workloads", "grounded,open", "--max-num-seqs", "1",
-               "--chat-requests", "4", "--draft-layers", "1", "--out", str(out), timeout=600,
+               "--chat-requests", "4", "--chat-temperature", "0.7", "--draft-layers", "1", "--out", str(out),
+               timeout=600,
                env={"MILESTONES_CACHE": str(tmp_path / "cache")})
     rows = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {(w, e) for w in ("grounded", "open") for e in ("m6@eager", *guessing)}

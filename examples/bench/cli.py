@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("grounded and open workloads (milestone rows only; m7@ngram and m7@draft guess)")
     g.add_argument("--chat-requests", type=int, default=16,
                    help="chat requests in each: grounded ones ask to copy or edit a passage, open ones do not")
+    g.add_argument("--chat-temperature", type=float, default=0.0,
+                   help="sample the chat requests at this temperature, each with a seed of its own (0: greedy); "
+                        "m7 rows still give m6's tokens, the noise depending on (seed, position) only")
     g.add_argument("--draft-layers", type=int, default=4,
                    help="m7@draft rows: the draft is the model's first this many layers")
 

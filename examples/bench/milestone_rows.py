@@ -245,8 +245,9 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     guesses_before = guess_counts(engine)
     wall = 0.0
     start = time.perf_counter()
-    ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=0, max_tokens=r.max_tokens,
-                                                               ignore_eos=r.ignore_eos)) for r in requests]
+    ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=r.temperature, seed=r.seed,
+                                                               max_tokens=r.max_tokens, ignore_eos=r.ignore_eos))
+           for r in requests]
     tracer = getattr(engine, "tracer", None)  # m6: the share of host work hidden inside forwards, from its trace
     if tracer is not None:
         tracer.enabled, tracer.events = True, []

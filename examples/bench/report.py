@@ -97,7 +97,8 @@ def new_results(setup: Setup, command: list[str]) -> dict:
                    "max_num_batched_tokens": args.max_num_batched_tokens, "tight_kv": args.tight_kv,
                    "shared_prefix_len": args.shared_prefix_len,
                    "shared_output_len_range": list(args.shared_output_len_range),
-                   "chat_requests": args.chat_requests, "draft_layers": args.draft_layers},
+                   "chat_requests": args.chat_requests, "chat_temperature": args.chat_temperature,
+                   "draft_layers": args.draft_layers},
         "results": [],
     }
 

@@ -29,6 +29,9 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap (the default on a CPU)
     "async": ("async_scheduling", True),  # m6: overlap (the default on CUDA)
     "ngram": ("speculative_config", {"method": "ngram", "num_speculative_tokens": 4}),  # m7: prompt lookup
+    # m7: prompt lookup, but a step of 8 or more requests guesses nothing (speculative_config's disable_by_batch_size)
+    "ngram-below8": ("speculative_config",
+                     {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}),
     # m7: the first --draft-layers layers of the model as its draft (the copy is made once and cached)
     "draft": ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 4}),
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others

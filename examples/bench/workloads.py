@@ -45,6 +45,8 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int  # forced with ignore_eos: every row generates exactly this many
     ignore_eos: bool = True  # False: the request ends at its end-of-sequence token, as a chat answer does
+    temperature: float = 0.0  # above 0: sampled, with ``seed``
+    seed: int | None = None
 
 
 @dataclass(slots=True)
@@ -88,12 +90,12 @@ def build_workloads(tokenizer, args: argparse.Namespace) -> Workloads:
                                     args.shared_output_len_range, args.seed),
         small=make_mixed_workload(tokenizer, SMALL_REQUESTS, (4, 16), (4, 16), args.seed + 3),
         batch_prompts=make_batch_prompts(tokenizer, max(args.batch_sizes), args.decode_prompt_len, args.seed),
-        grounded=make_grounded_workload(tokenizer, args.chat_requests, args.seed + 4),
-        open=make_open_workload(tokenizer, args.chat_requests, args.seed + 5),
+        grounded=make_grounded_workload(tokenizer, args.chat_requests, args.seed + 4, args.chat_temperature),
+        open=make_open_workload(tokenizer, args.chat_requests, args.seed + 5, args.chat_temperature),
     )
 
 
-def make_grounded_workload(tokenizer, n: int, seed: int) -> list[Request]:
+def make_grounded_workload(tokenizer, n: int, seed: int, temperature: float = 0.0) -> list[Request]:
     """Chat requests that hand the model a passage of real text (40 to 80 tokens) and ask for it back, copied or
     lightly edited; each may generate as many tokens as the passage has, and a few more."""
     rng, text = random.Random(seed), tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False)
@@ -103,15 +105,16 @@ def make_grounded_workload(tokenizer, n: int, seed: int) -> list[Request]:
         start = rng.randrange(0, len(text) - length)
         passage = tokenizer.decode(text[start : start + length]).strip()
         prompt = chat_token_ids(tokenizer, f"{GROUNDED_ASKS[i % len(GROUNDED_ASKS)]}\n\n{passage}")
-        requests.append(Request(prompt, length + 8, ignore_eos=False))
+        requests.append(Request(prompt, length + 8, ignore_eos=False, temperature=temperature, seed=seed * 1000 + i))
     return requests
 
 
-def make_open_workload(tokenizer, n: int, seed: int) -> list[Request]:
+def make_open_workload(tokenizer, n: int, seed: int, temperature: float = 0.0) -> list[Request]:
     """Chat requests with nothing in them to copy, 48 to 96 output tokens each."""
     rng = random.Random(seed)
     asks = [OPEN_ASKS[i % len(OPEN_ASKS)].format(TOPICS[(i // len(OPEN_ASKS) + i) % len(TOPICS)]) for i in range(n)]
-    return [Request(chat_token_ids(tokenizer, ask), rng.randint(48, 96), ignore_eos=False) for ask in asks]
+    return [Request(chat_token_ids(tokenizer, ask), rng.randint(48, 96), ignore_eos=False, temperature=temperature,
+                    seed=seed * 1000 + i) for i, ask in enumerate(asks)]
 
 
 def make_mixed_workload(tokenizer, n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],

@@ -102,6 +102,8 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: the draft (a name or folder, as LLM's model), with the target's tokenizer
     acceptance: str = "exact"  # "exact": a guess counts if it is the pick m6 makes (m6's tokens); "rejection": the
     # standard rule, kept with probability p(guess): the same distribution as m6, other tokens when sampling
+    disable_by_batch_size: int | None = None  # a step of at least this many requests guesses nothing (None: any
+    # step guesses): in a busy step every row is real arithmetic, and a wrong guess wastes nearly a token's cost
 
     @classmethod
     def from_dict(cls, given: dict) -> SpeculativeConfig:
@@ -133,6 +135,7 @@ SPECULATIVE_OPTIONS = {
     "prompt_lookup_max": options.POSITIVE,
     "model": options.PATH_OR_NONE,
     "acceptance": options.one_of("exact", "rejection"),
+    "disable_by_batch_size": options.POSITIVE_OR_NONE,
 }
 # --8<-- [end:speculative_config]
 

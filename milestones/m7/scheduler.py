@@ -109,8 +109,11 @@ class Scheduler:
             self.num_prompt_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
             budget -= self._take(batch, seq, num_new)
-        if self.proposer is not None:
+        # --8<-- [start:guess_or_not]
+        limit = self.config.speculative_config.disable_by_batch_size if self.proposer is not None else None
+        if self.proposer is not None and (limit is None or len(batch.seqs) < limit):  # m7: a busy step guesses nothing
             self._add_guesses(batch, budget)
+        # --8<-- [end:guess_or_not]
         return batch if batch.seqs else None
 
     # --8<-- [start:add_guesses]

@@ -97,6 +97,23 @@ def test_checking_steps_are_replayed_and_give_m6s_tokens(tiny_model_path, worklo
         assert llm.engine.graph_stats()["eager_steps"] > 0
 
 
+def test_a_step_of_disable_by_batch_size_requests_guesses_nothing(tiny_model_path, workload, reference):
+    config = dict(NGRAM, disable_by_batch_size=5)
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=config), workload[0], reference) as llm:
+        runner, steps = llm.engine.runner, []
+        real_prepare = runner.prepare
+
+        def recording(batch):
+            steps.append((len(batch.seqs), sum(len(seq.draft_token_ids) for seq in batch.seqs)))
+            return real_prepare(batch)
+
+        runner.prepare = recording
+        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        assert_guessed_both_ways(llm)
+        assert all(guesses == 0 for seqs, guesses in steps if seqs >= 5), steps
+        assert any(seqs >= 5 for seqs, _ in steps), "no step was busy enough: the test checks nothing"
+
+
 def test_without_speculative_config_m7_is_m6(tiny_model_path, workload, reference):
     with m7.LLM(tiny_model_path, **LIMITS) as llm:
         assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
@@ -159,6 +176,7 @@ def test_metrics_count_guesses_per_request(tiny_model_path, workload, reference)
     ({"method": "ngram", "num_speculative_tokens": 2, "k": 3}, "takes the keys"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
      "prompt_lookup_min \\(5\\) must be at most prompt_lookup_max \\(3\\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ("ngram", "speculative_config must be a dict"),
 ])
 def test_bad_speculative_configs_are_refused(tiny_model_path, config, message):
