@@ -6,28 +6,54 @@ the engine's outputs to an ``Answer``.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# OpenAI's parameters this server honours (`user` is metadata, accepted and unused); any other is refused, rather
-# than silently ignored.
+# OpenAI's parameters this server honours (`user`, `store` and `metadata` are bookkeeping, accepted and unused); any
+# other is refused, rather than silently ignored, unless it holds the value that asks for nothing (NO_OPS).
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "ignore_eos", "user"}
+          "ignore_eos", "user", "store", "metadata"}
 COMPLETION_KEYS = COMMON | {"prompt"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
+
+# Options this server does not implement, and the values of each that ask for nothing: clients (LangChain, lm-eval,
+# guidellm) send them on every request. Any other value is refused with the values that are accepted.
+# --8<-- [start:no_ops]
+NO_OPS = {
+    "n": (1,),
+    "best_of": (1,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),  # vLLM's extension
+    "echo": (False,),
+    "logprobs": (False,),  # chat's flag; a completion's count of top tokens (0 is one: the chosen token) is refused
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "response_format": ({"type": "text"},),
+}
+ALWAYS_NO_OP = {"parallel_tool_calls", "service_tier"}  # meaningless without tools / a choice of service tiers
+# --8<-- [end:no_ops]
 
 
 class BadRequest(ValueError):
     """Input the server refuses (HTTP 400); its message says what to change."""
 
 
+class ModelNotFound(BadRequest):
+    """A model this server does not serve (HTTP 404, code ``model_not_found``, as OpenAI answers)."""
+
+
 @dataclass(slots=True)
 class Job:
     """One parsed request: what to generate and how to answer."""
 
-    prompt: str | list[int] | Callable[[], list[int]]  # a chat's is templated on the engine thread
+    prompts: list[str | list[int] | Callable[[], list[int]]]  # one choice each; a chat's is templated on the engine
     params: Any  # the milestone's SamplingParams
     stream: bool
     include_usage: bool
@@ -38,26 +64,25 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
     """A request body checked and turned into a Job; BadRequest (HTTP 400) says what to change."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    unknown = sorted(set(body) - (CHAT_KEYS if chat else COMPLETION_KEYS))
+    body = {key: value for key, value in body.items() if value is not None}  # null means "the default", as in OpenAI
+    unknown = sorted(set(body) - (CHAT_KEYS if chat else COMPLETION_KEYS) - set(NO_OPS) - ALWAYS_NO_OP)
     if unknown:
         raise BadRequest(f"unsupported parameter(s) {', '.join(unknown)}: remove them")
-    body = {key: value for key, value in body.items() if value is not None}  # null means "the default", as in OpenAI
+    for key in sorted(set(body) & set(NO_OPS)):
+        if not any(_same(body[key], value) for value in NO_OPS[key]):
+            allowed = " or ".join(json.dumps(value) for value in NO_OPS[key])
+            raise BadRequest(f"{key} {json.dumps(body[key])} is not supported by this server: send {allowed} "
+                             "(or leave it out)")
     if body.get("model", model_name) != model_name:
-        raise BadRequest(f"model {body['model']!r} is not served here; this server serves {model_name!r}")
-    if body.get("n", 1) != 1:
-        raise BadRequest("n must be 1: send one request per completion")
+        raise ModelNotFound(f"model {body['model']!r} is not served here; this server serves {model_name!r}")
     stream, options = body.get("stream", False), body.get("stream_options", {})
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise BadRequest("stream must be true or false, and stream_options an object such as {\"include_usage\": true}")
     if chat:
-        prompt = chat_prompt(tokenizer, body.get("messages"))
+        prompts = [chat_prompt(tokenizer, body.get("messages"))]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, (str, list)):
-            raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
+        prompts = completion_prompts(body.get("prompt"))
         max_tokens = body.get("max_tokens", 16)
     sampling = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "stop")
     settings = {key: body[key] for key in sampling if key in body}
@@ -65,14 +90,32 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
         params = sampling_params(max_tokens=max_tokens, **settings)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
-    return Job(prompt, params, stream, bool(options.get("include_usage")), chat)
+    return Job(prompts, params, stream, bool(options.get("include_usage")) and stream, chat)
+
+
+def _same(given: object, value: object) -> bool:
+    """JSON equality: 0 and 0.0 are one number, but false is not 0."""
+    if isinstance(given, bool) or isinstance(value, bool):
+        return given is value
+    return given == value
+
+
+def completion_prompts(prompt: object) -> list[str | list[int]]:
+    """A completion's prompt as a list of prompts, one choice each: a string, token ids, or a batch of either."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)) for p in prompt):
+        return list(prompt)  # a batch: a choice per prompt, in order (lm-eval sends token ids this way)
+    raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either (a choice each)")
 
 
 class Answer:
     """A request's answer in OpenAI's shape, built up from the engine's outputs: whole, or as stream chunks."""
 
-    def __init__(self, job: Job, request_id: str, model: str) -> None:
-        self.job, self.model = job, model
+    def __init__(self, job: Job, request_id: str, model: str, index: int = 0) -> None:
+        self.job, self.model, self.index = job, model, index  # index: the choice (a batched prompt's place)
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.text, self.finish_reason, self.finished = "", None, False
@@ -90,32 +133,43 @@ class Answer:
         if self.job.chat:
             message = {"content": delta} if self.sent_role else {"role": "assistant", "content": delta}
             self.sent_role = True
-            choice = {"index": 0, "delta": message, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "delta": message, "finish_reason": self.finish_reason}
             return self._envelope("chat.completion.chunk", choice)
-        choice = {"index": 0, "text": delta, "finish_reason": self.finish_reason, "logprobs": None}
+        choice = {"index": self.index, "text": delta, "finish_reason": self.finish_reason, "logprobs": None}
         return self._envelope("text_completion", choice)
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
-    def usage_chunk(self) -> dict | None:
-        if not self.job.include_usage:
-            return None
-        kind = "chat.completion.chunk" if self.job.chat else "text_completion"
-        return {**self._envelope(kind, None), "choices": [], "usage": self.usage()}
-
-    def whole(self) -> dict:
+    def choice(self) -> dict:
+        """This choice of the whole answer."""
         if self.job.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "finish_reason": self.finish_reason}
-            return {**self._envelope("chat.completion", choice), "usage": self.usage()}
-        choice = {"index": 0, "text": self.text, "finish_reason": self.finish_reason, "logprobs": None}
-        return {**self._envelope("text_completion", choice), "usage": self.usage()}
+            return {"index": self.index, "message": {"role": "assistant", "content": self.text},
+                    "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.text, "finish_reason": self.finish_reason, "logprobs": None}
 
     def _envelope(self, kind: str, choice: dict | None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": [] if choice is None else [choice]}
+
+
+def usage(answers: list[Answer]) -> dict:
+    """Tokens over every choice of a request, as OpenAI counts them."""
+    prompt, completion = sum(a.prompt_tokens for a in answers), sum(a.completion_tokens for a in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def whole(answers: list[Answer]) -> dict:
+    """The answer in one body: a choice per prompt, in order."""
+    first = answers[0]
+    kind = "chat.completion" if first.job.chat else "text_completion"
+    return {**first._envelope(kind, None), "choices": [a.choice() for a in answers], "usage": usage(answers)}
+
+
+def usage_chunk(answers: list[Answer]) -> dict | None:
+    """The stream's last chunk, with the usage, when the client asked for it (``stream_options.include_usage``)."""
+    first = answers[0]
+    if not first.job.include_usage:
+        return None
+    kind = "chat.completion.chunk" if first.job.chat else "text_completion"
+    return {**first._envelope(kind, None), "usage": usage(answers)}
 
 
 def chat_prompt(tokenizer: Any, messages: object) -> Callable[[], list[int]]:
@@ -124,10 +178,7 @@ def chat_prompt(tokenizer: Any, messages: object) -> Callable[[], list[int]]:
     The shape is checked now; the template and the tokenizer run later, on the engine's
     thread, the only one that uses the tokenizer (its errors are still a 400).
     """
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects")
+    messages = [{"role": m["role"], "content": text_content(m, i)} for i, m in enumerate(_message_list(messages))]
 
     def token_ids() -> list[int]:
         try:
@@ -137,3 +188,29 @@ def chat_prompt(tokenizer: Any, messages: object) -> Callable[[], list[int]]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     return token_ids
+
+
+def _message_list(messages: object) -> list[dict]:
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects")
+    return messages
+
+
+def text_content(message: dict, index: int) -> str:
+    """A message's content as text: a string, a list of text parts (joined by newlines, as vLLM does), or an
+    assistant's null (a turn that only called tools)."""
+    content = message.get("content")
+    if content is None and message["role"] == "assistant":
+        return ""
+    if isinstance(content, list):
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRequest(f"messages[{index}] has a content part of type {kind!r}: this server reads text "
+                                 "only; send parts such as {'type': 'text', 'text': '...'}")
+        return "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects (content: a "
+                         f"string or a list of text parts); messages[{index}] has content {content!r}")
+    return content

@@ -3,8 +3,10 @@
     python -m milestones.serve --milestone m4 [--model PATH] [--host 127.0.0.1] [--port 8000]
     make serve M=m4
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
-events with ``"stream": true``), ``GET /v1/models``, ``GET /health``. Every client's
+Routes: ``POST /v1/completions`` (a prompt, or a batch of prompts: a choice each),
+``POST /v1/chat/completions`` (streamed as server-sent events with ``"stream": true``),
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``; errors in OpenAI's shape on
+every route. Every client's
 requests go to one engine, stepped on its own thread (``EngineLoop``), so requests from
 many clients are batched together: m1 serves them one at a time, m2 onwards together.
 
@@ -27,10 +29,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from milestones import MILESTONES
 from milestones.engine_loop import EngineLoop, ServerBusy, Stream
-from milestones.openai_api import Answer, parse_request
+from milestones.openai_api import Answer, ModelNotFound, parse_request, usage_chunk, whole
 
 
 def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
@@ -48,22 +51,23 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
     app.state.engine_loop = engine_loop
 
     async def serve(request: Request, chat: bool) -> Response:
+        streams: list[Stream] = []  # one engine request per prompt (a batched completion has several)
+
+        def release() -> None:
+            for stream in streams:
+                engine_loop.release(stream)  # aborts it if it did not finish
+
         try:
             job = parse_request(await request.json(), chat, model_name, llm.tokenizer, sampling_params)
-            stream = await engine_loop.submit(job.prompt, job.params)
-        except json.JSONDecodeError as err:
-            return error(400, f"the body is not valid JSON: {err}")
-        except ValueError as err:  # BadRequest, or the engine refusing the request (too long, bad tokens, ...)
-            return error(400, str(err))
-        except ServerBusy as err:
-            return error(503, str(err))
-        except Exception as err:  # the engine failed to take it: not the client's fault
-            return error(500, f"the engine could not take the request: {err!r}")
-        answer = Answer(job, stream.request_id, model_name)
+            for prompt in job.prompts:
+                streams.append(await engine_loop.submit(prompt, job.params))
+        except Exception as err:
+            release()  # the prompts of a batch taken before one was refused
+            return refusal(err)
+        answers = [Answer(job, streams[0].request_id, model_name, index) for index in range(len(streams))]
         if job.stream:
-            return ReleasingStreamingResponse(events(stream, answer), lambda: engine_loop.release(stream),
-                                              media_type="text/event-stream")
-        collect = asyncio.ensure_future(collect_answer(stream, answer))
+            return ReleasingStreamingResponse(events(streams, answers), release, media_type="text/event-stream")
+        collect = asyncio.ensure_future(collect_answers(streams, answers))
         gone = asyncio.ensure_future(disconnected(request))
         try:  # neither uvicorn nor Starlette cancels a handler whose client has gone: watch for it here
             await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -75,21 +79,21 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
         finally:
             collect.cancel()
             gone.cancel()
-            engine_loop.release(stream)  # aborts it if it did not finish
-        return JSONResponse(answer.whole())
+            release()
+        return JSONResponse(whole(answers))
 
-    async def collect_answer(stream: Stream, answer: Answer) -> None:
-        async for output in outputs(stream):
-            answer.update(output)
+    async def collect_answers(streams: list[Stream], answers: list[Answer]) -> None:
+        async for index, output in merged(streams):
+            answers[index].update(output)
 
-    async def events(stream: Stream, answer: Answer) -> AsyncIterator[str]:
+    async def events(streams: list[Stream], answers: list[Answer]) -> AsyncIterator[str]:
         try:
-            async for output in outputs(stream):
-                delta = answer.update(output)
+            async for index, output in merged(streams):
+                delta = answers[index].update(output)
                 if delta is not None:
                     yield f"data: {json.dumps(delta)}\n\n"
-            if usage_chunk := answer.usage_chunk():
-                yield f"data: {json.dumps(usage_chunk)}\n\n"
+            if last := usage_chunk(answers):
+                yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"
         except RuntimeError as err:  # the headers (200) are sent: the failure goes in the stream, as OpenAI does
             yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
@@ -102,10 +106,26 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await serve(request, chat=True)
 
+    card = {"id": model_name, "object": "model", "owned_by": "milestones", "created": 0,
+            "max_model_len": llm.engine.config.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "milestones",
-                                            "created": 0, "max_model_len": llm.engine.config.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != model_name:
+            return error(404, f"model {model_id!r} is not served here; this server serves {model_name!r}",
+                         "model_not_found")
+        return JSONResponse(card)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes (404) and wrong methods (405) answered in OpenAI's shape, not FastAPI's ``detail``."""
+        response = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        response.headers.update(exc.headers or {})  # a 405 says which methods the route takes (Allow)
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -129,6 +149,39 @@ async def outputs(stream: Stream) -> AsyncIterator[Any]:
         yield output
         if output.finished:
             return
+
+
+async def merged(streams: list[Stream]) -> AsyncIterator[tuple[int, Any]]:
+    """The outputs of several requests as they come, each with its request's index, each request's in order."""
+    iterators = [outputs(stream) for stream in streams]
+    waiting = {asyncio.ensure_future(anext(it)): index for index, it in enumerate(iterators)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.get):
+                index = waiting.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                waiting[asyncio.ensure_future(anext(iterators[index]))] = index
+                yield index, output
+    finally:
+        for task in waiting:
+            task.cancel()
+
+
+def refusal(err: Exception) -> JSONResponse:
+    """The answer to a request the server could not take, by the reason."""
+    if isinstance(err, json.JSONDecodeError):
+        return error(400, f"the body is not valid JSON: {err}")
+    if isinstance(err, ModelNotFound):
+        return error(404, str(err), "model_not_found")
+    if isinstance(err, ValueError):  # BadRequest, or the engine refusing the request (too long, bad tokens, ...)
+        return error(400, str(err))
+    if isinstance(err, ServerBusy):
+        return error(503, str(err))
+    return error(500, f"the engine could not take the request: {err!r}")  # not the client's fault
 
 
 async def disconnected(request: Request) -> None:
@@ -156,9 +209,11 @@ class ReleasingStreamingResponse(StreamingResponse):
             self.release()
 
 
-def error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status == 400 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape: message, type, param and code (a name such as ``model_not_found``, or None)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status)
 
 
 @contextmanager

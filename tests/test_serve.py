@@ -111,10 +111,15 @@ def test_models_and_health(served, request):
     (b'{"prompt": "hi", "temperature": -1}', "temperature"),
     (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
     (b'{"prompt": "hi", "top_p": 2}', "top_p"),
-    (b'{"prompt": "hi", "logprobs": 3}', "unsupported parameter(s) logprobs"),
-    (b'{"prompt": "hi", "n": 2}', "n must be 1"),
-    (b'{"prompt": "hi", "model": "gpt-4"}', "is not served here"),
+    (b'{"prompt": "hi", "logprobs": 3}', "logprobs 3 is not supported by this server: send false"),
+    (b'{"prompt": "hi", "n": 2}', "n 2 is not supported by this server: send 1"),
+    (b'{"prompt": "hi", "frequency_penalty": 0.5}', "frequency_penalty 0.5 is not supported"),
+    (b'{"prompt": "hi", "echo": true}', "echo true is not supported by this server: send false"),
+    (b'{"prompt": "hi", "logit_bias": {"5": 1}}', "logit_bias"),
+    (b'{"prompt": "hi", "guided_json": {}}', "unsupported parameter(s) guided_json"),
     (b'{"prompt": ""}', "empty"),
+    (b'{"prompt": []}', "prompt must be"),
+    (b'{"prompt": ["a", 3]}', "prompt must be"),
     (b'{"prompt": [1, 2, 99999999]}', "token ids must be in"),
     (b'{"prompt": {"a": 1}}', "prompt must be"),
     (b'{"prompt": "' + b"word " * 400 + b'"}', "max_model_len"),
@@ -140,9 +145,76 @@ def test_null_parameters_mean_the_defaults(served):
 
 def test_bad_chat_messages_get_400(served):
     url, _, _, _ = served
-    for messages in ([], [{"role": "user"}], "hello"):
+    for messages in ([], [{"role": "user"}], "hello", [{"role": "user", "content": 3}]):
         response = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages})
         assert response.status_code == 400 and "messages must be" in response.json()["error"]["message"]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    response = httpx.post(f"{url}/v1/chat/completions", json={"messages": image})
+    assert response.status_code == 400 and "part of type 'image_url'" in response.json()["error"]["message"]
+
+
+# What real clients send, as they send it (captured from their requests): each must be served, not refused.
+LANGCHAIN_COMPLETION = {"model": "tiny", "max_tokens": 12, "temperature": 0, "top_p": 1, "frequency_penalty": 0,
+                        "presence_penalty": 0, "n": 1, "logit_bias": {}, "seed": None, "logprobs": None,
+                        "best_of": 1, "echo": False, "store": False, "stream_options": {"include_usage": True}}
+GUIDELLM_CHAT = {"model": "tiny", "max_tokens": 12, "max_completion_tokens": 12, "temperature": 0, "stream": False,
+                 "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}]}
+
+
+def test_the_no_op_options_clients_send_are_accepted(served):
+    url, _, texts, chat = served
+    response = httpx.post(f"{url}/v1/completions", json={**LANGCHAIN_COMPLETION, "prompt": PROMPTS[0]})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == texts[0].text
+    response = httpx.post(f"{url}/v1/chat/completions", json=GUIDELLM_CHAT)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == chat.outputs[0].text  # text parts read as text
+
+
+def test_an_assistant_turn_without_content_is_an_empty_turn(served):
+    url, _, _, _ = served
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "Go"}]
+    answers = []
+    for assistant_content in ("", None):
+        turns[1]["content"] = assistant_content
+        body = {"messages": turns, "max_tokens": 8, "temperature": 0}
+        response = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        answers.append(response.json()["choices"][0]["message"]["content"])
+    assert answers[0] == answers[1]
+
+
+def test_a_batch_of_prompts_gets_a_choice_each_in_order(served):
+    url, app, texts, _ = served
+    tokenizer = app.state.engine_loop.llm.tokenizer
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    for prompt in (PROMPTS, ids):  # strings, and token ids as lm-eval sends them
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert [c["index"] for c in answer["choices"]] == list(range(len(PROMPTS)))
+        assert [c["text"] for c in answer["choices"]] == [t.text for t in texts]
+        assert answer["usage"]["completion_tokens"] == sum(len(t.token_ids) for t in texts)
+    chunks = list(client(url).completions.create(model="tiny", prompt=PROMPTS, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(len(PROMPTS))]
+    assert streamed == [t.text for t in texts]
+    assert chunks[-1].usage.completion_tokens == sum(len(t.token_ids) for t in texts)
+    wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)  # released once the stream is sent
+
+
+def test_models_routes_and_errors_in_openais_shape(served):
+    url, _, _, _ = served
+    assert httpx.get(f"{url}/v1/models/tiny").json()["id"] == "tiny"
+    for response in (httpx.get(f"{url}/v1/models/gpt-4"),
+                     httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "model": "gpt-4"})):
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "model_not_found"
+        assert "is not served here" in response.json()["error"]["message"]
+    unknown, wrong_method = httpx.get(f"{url}/v1/nowhere"), httpx.get(f"{url}/v1/completions")
+    assert unknown.status_code == 404 and set(unknown.json()) == {"error"}
+    assert wrong_method.status_code == 405 and "POST" in wrong_method.headers["allow"]
+    assert set(wrong_method.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def slowed(llm, seconds=0.02):
