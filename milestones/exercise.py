@@ -57,6 +57,13 @@ def functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return found
 
 
+def wrap(text: str, width: int) -> list[str]:
+    """``textwrap.wrap``, except that a `code span` is never broken across lines (a longer line rather)."""
+    unbroken = re.sub(r"`[^`]*`", lambda span: span.group().replace(" ", "\0"), text)
+    lines = textwrap.wrap(unbroken, width, break_long_words=False, break_on_hyphens=False)
+    return [line.replace("\0", " ") for line in lines]
+
+
 def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Exercise) -> str:
     """The source with the exercise's function bodies replaced by a TODO and ``raise NotImplementedError``."""
     first, last = section_lines(source, exercise.section)
@@ -70,7 +77,7 @@ def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Ex
         has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
         begin = body[0].end_lineno if has_docstring else body[0].lineno - 1  # 0-based index of the first body line
         indent = " " * body[0].col_offset
-        todo = textwrap.wrap(f"TODO({milestone}, step {step_number}, {step.name}): {exercise.todo}", 100)
+        todo = wrap(f"TODO({milestone}, step {step_number}, {step.name}): {exercise.todo}", 100)
         message = f"{name} is yours to write (see its TODO in {exercise.file}); `make check M={milestone}` checks it"
         lines[begin : node.end_lineno] = [
             *(f"{indent}# {line}\n" for line in todo),

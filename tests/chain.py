@@ -1,10 +1,11 @@
 """The correctness chain's tools: a mixed workload, a checked run of it, and a comparison that says what diverged.
 
-``run`` drives ``LLM.generate`` with the engine's integrity check after every step and
-a cap on the number of steps, so a bookkeeping bug fails at the step that made it (a
-leaked block, a lost lock) and a scheduler that stops making progress fails with a
-message instead of hanging. ``assert_same_outputs`` names the first request and token
-where two runs differ.
+``run`` drives ``LLM.generate`` with the engine's integrity check after every step, a
+check of every batch as it is scheduled, and a cap on the number of steps, so a
+bookkeeping bug fails at the step that made it (a leaked block, a lost lock, a request
+scheduled in the step that preempted it) and a scheduler that stops making progress
+fails with a message instead of hanging. ``assert_same_outputs`` names the first request
+and token where two runs differ.
 """
 
 from __future__ import annotations
@@ -61,7 +62,24 @@ def run(mod, llm, prompts, settings) -> list[Completion]:
         )
         return outputs
 
+    scheduler = engine.scheduler
+    schedule, own_schedule = scheduler.schedule, "schedule" in vars(scheduler)
+
+    def checked_schedule():
+        batch = schedule()
+        for seq in batch.seqs if batch is not None else ():
+            waiting = any(s is seq for s in scheduler.waiting)
+            assert seq.status.value == "running" and not waiting, (
+                f"request {seq.request_id!r} is in this step's batch but is {seq.status.value}"
+                f"{' and in the waiting queue' if waiting else ''}: a scheduled request is running (admitted: status "
+                "RUNNING, out of the waiting queue) for the whole step, so a request preempted in a step is never "
+                "scheduled in it (the victim comes from the requests not yet scheduled; one that preempts itself "
+                "is left out of the step)"
+            )
+        return batch
+
     engine.step = checked_step  # generate calls it through the instance, so every step is checked
+    scheduler.schedule = checked_schedule  # and the engine calls this one, so every batch is
     try:
         outs = llm.generate(prompts, [mod.SamplingParams(**s) for s in settings], use_tqdm=False)
     finally:
@@ -69,6 +87,10 @@ def run(mod, llm, prompts, settings) -> list[Completion]:
             engine.step = step
         else:
             del engine.step
+        if own_schedule:
+            scheduler.schedule = schedule
+        else:
+            del scheduler.schedule
     return [Completion(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
-from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start
+from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start, wrap
 from milestones.lessons import LESSONS
 from tests.conftest import needs_compiler
 
@@ -68,6 +68,13 @@ def test_the_skeleton_stubs_exactly_the_lesson(lesson, tmp_path):
                 assert ast.unparse(node) == ast.unparse(reference_functions[name]), f"{name} changed"
     with pytest.raises(FileExistsError, match="never overwritten"):
         start(lesson, destination)
+
+
+def test_a_todo_never_breaks_a_code_span_across_lines():
+    span = "`table[p // block_size] * block_size + p % block_size`"
+    lines = wrap("token p goes to slot " * 4 + span + ", then more words" * 3, 100)
+    assert sum(span in line for line in lines) == 1, lines
+    assert " ".join(lines) == "token p goes to slot " * 4 + span + ", then more words" * 3
 
 
 def check(milestone: str, package: Path, *options: str) -> subprocess.CompletedProcess:

@@ -108,4 +108,7 @@ def check_sequences(running: list[Sequence], waiting: list[Sequence], max_model_
         seq.check_integrity(SequenceStatus.RUNNING, max_model_len)
     for seq in waiting:
         seq.check_integrity(SequenceStatus.WAITING, max_model_len)
-        assert seq.num_computed_tokens == 0, f"waiting request {seq.request_id!r} claims computed tokens"
+        assert seq.num_computed_tokens == 0, (
+            f"waiting request {seq.request_id!r} claims {seq.num_computed_tokens} computed tokens: a waiting request "
+            "holds no keys and values, so a request sent back to wait (preempted) restarts from num_computed_tokens=0"
+        )

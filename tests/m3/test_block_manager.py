@@ -31,6 +31,21 @@ def test_growing_past_the_pool_raises_without_side_effects():
     manager.check_integrity()
 
 
+def test_freeing_a_request_that_holds_no_blocks_does_nothing():
+    manager = BlockManager(num_blocks=4, block_size=2)
+    manager.grow("a", 3)
+    for request_id in ("never-grown", "a", "a"):  # an id with no table, then a request freed twice
+        try:
+            manager.free(request_id)
+        except Exception as error:
+            pytest.fail(f"free({request_id!r}) raised {error!r}: freeing a request that holds no blocks (never grown, "
+                        "or freed already) must do nothing")
+    assert manager.num_free_blocks == 4 and not manager.block_tables, (
+        "free returns each block of the request once, and freeing it again adds nothing"
+    )
+    manager.check_integrity()
+
+
 operations = st.lists(
     st.tuples(st.sampled_from(["grow", "free", "preempt"]), st.integers(0, 5), st.integers(1, 40)),
     max_size=60,
