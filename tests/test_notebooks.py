@@ -14,6 +14,14 @@ and review the diff. Nothing in the outputs should vary between runs: the tiny m
 seeded, sampling is seeded, and the notebooks print no timings, memory addresses or
 temporary paths. ``normalise`` still masks the two things that could creep in unnoticed
 (``0x…`` addresses and ``/tmp/tmp…``-style temporary folders), and trailing whitespace.
+
+The one exception is a measurement: a cell that times something or draws a timeline
+(m5's eager against replayed steps, m6's traces) cannot give the same output twice. Such a
+cell carries the tag ``varies`` in its metadata (``"metadata": {"tags": ["varies"]}``; in
+JupyterLab, the property inspector's cell tags). It is still executed, and an exception in
+it still fails the test, but its outputs are not compared (see ``VARIES``); the refresh
+stores whatever it printed. Keep such cells few and small, and print everything that should
+not change in the cells around them. Images (``image/png``) are never compared, only text.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ nbclient = pytest.importorskip("nbclient")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO_ROOT / "docs" / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
+VARIES = "varies"  # the cell tag of a measurement: executed, its outputs not compared
 REFRESH_HINT = "refresh the stored outputs with `.venv/bin/python -m tests.test_notebooks --refresh` " \
     "(or `make notebooks-refresh`) and review the diff"
 
@@ -130,8 +139,8 @@ def compare_outputs(stored, executed, name: str) -> list[str]:
     if len(stored.cells) != len(executed.cells):
         return [f"{name}: {len(stored.cells)} cells stored, {len(executed.cells)} executed"]
     for index, (old, new) in enumerate(zip(stored.cells, executed.cells)):
-        if old.cell_type != "code":
-            continue
+        if old.cell_type != "code" or VARIES in old.get("metadata", {}).get("tags", []):
+            continue  # text is compared in code cells, except measurements (the module's docstring)
         before, after = text_outputs(old), text_outputs(new)
         if before != after:
             diff = list(difflib.unified_diff(before.splitlines(), after.splitlines(), "stored", "executed",
@@ -188,6 +197,19 @@ def test_stored_notebooks_are_tidy():
             assert "execution" not in cell.metadata, (
                 f"{notebook.name}, cell {index} has timing metadata: {REFRESH_HINT}"
             )
+
+
+def test_the_outputs_of_a_cell_tagged_varies_are_not_compared():
+    """A measurement (tag ``varies``) may print something else on every run; any other code cell may not."""
+    def notebook(printed: str, tags: list[str]):
+        cell = nbformat.v4.new_code_cell("print(time.perf_counter())", metadata={"tags": tags})
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=printed)]
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [cell]
+        return nb
+
+    assert compare_outputs(notebook("1.5\n", [VARIES]), notebook("2.5\n", [VARIES]), "nb") == []
+    assert compare_outputs(notebook("1.5\n", []), notebook("2.5\n", []), "nb")
 
 
 def test_there_is_a_notebook():
