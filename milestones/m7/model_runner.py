@@ -100,8 +100,9 @@ class ModelRunner:
     # --8<-- [start:execute]
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The host's half of a step: what to compute, as plain lists, and a future id for every token to sample."""
-        if (self.graph_runner is not None and self.is_decode_step(batch)
-                and self.graph_runner.fits(self.num_decode_rows(batch))):
+        # m7: a decode step has a row per token, so a checking step needs 1 + guesses rows a request
+        if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(
+                sum(batch.num_new_tokens)):
             forward, sample_seqs = self.decode_inputs(batch)
             positions = forward.positions
         else:
@@ -173,11 +174,6 @@ class ModelRunner:
         """Does every request compute exactly its last token (m7: and its guesses), and so sample after each?"""
         return all(seq.num_computed_tokens + 1 == seq.num_tokens and num_new == 1 + len(seq.draft_token_ids)
                    for seq, num_new in zip(batch.seqs, batch.num_new_tokens))
-
-    @staticmethod
-    def num_decode_rows(batch: ScheduledBatch) -> int:
-        """m7: a decode step has a row per token, so a checking step has 1 + guesses rows a request."""
-        return sum(batch.num_new_tokens)
 
     # --8<-- [start:decode_inputs]
     def decode_inputs(self, batch: ScheduledBatch) -> tuple[DecodeInputs, list[Sequence]]:

@@ -10,10 +10,13 @@ the bundled model, asked to copy a passage.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
+import torch
 
 from milestones import m6, m7
+from milestones.m7.config import default_capture_sizes
 from milestones.m7.proposer import NgramProposer
 from milestones.m7.step import DecodeInputs
 from tests.chain import Completion, assert_same_outputs, mixed_workload, run
@@ -95,6 +98,21 @@ def test_checking_steps_are_replayed_and_give_m6s_tokens(tiny_model_path, worklo
         assert_guessed_both_ways(llm)
         assert any(rows > seqs for rows, seqs in replayed), f"no replayed step checked a guess: {replayed}"
         assert llm.engine.graph_stats()["eager_steps"] > 0
+
+
+def test_captured_sizes_count_rows_so_checking_steps_fit():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_capture_sizes(cpu, 1, 1) == [1]  # m6's sizes without speculation
+    assert default_capture_sizes(cpu, 1, 5) == [1, 5]  # a CPU adds one request's checking step
+    assert default_capture_sizes(cpu, 16, 5) == [1, 4, 5]
+    assert default_capture_sizes(cuda, 4, 5)[-1] == 20  # CUDA: every request checking k guesses
+
+
+def test_a_captured_size_beyond_every_requests_guesses_is_refused(tiny_model_path):
+    bound = re.escape("row counts in [1, max_num_seqs * (1 + num_speculative_tokens) = 25]")
+    with pytest.raises(ValueError, match=bound):
+        m7.LLM(tiny_model_path, **dict(LIMITS, enforce_eager=False, cudagraph_capture_sizes=[26]),
+               speculative_config=NGRAM)
 
 
 def test_a_step_of_disable_by_batch_size_requests_guesses_nothing(tiny_model_path, workload, reference):
