@@ -161,7 +161,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
 
 # --8<-- [start:default_capture_sizes]
 def default_capture_sizes(device: torch.device, max_num_seqs: int, rows_per_seq: int = 1) -> list[int]:
-    """The decode batch sizes captured when none are given, capped at ``max_num_seqs`` (always the largest).
+    """The decode batch sizes captured when none are given, capped at ``max_num_seqs`` (m7: rows, see below).
 
     On CUDA, as nano-vllm does: 1, 2, 4, 8, then every 16. On a CPU each size is a torch.compile
     of the whole model, about a minute on two cores and still several seconds from inductor's
