@@ -47,7 +47,6 @@ def run(mod, llm, prompts, settings) -> list[Completion]:
     engine = llm.engine
     # Every step computes at least one token of some request, so a working engine needs fewer steps than this.
     longest = engine.config.max_model_len
-    longest = engine.config.max_model_len
     max_steps = 10 * sum(len(p) + (s.get("max_tokens") or longest) for p, s in zip(prompts, settings))
     step, num_steps, own_step = engine.step, 0, "step" in vars(engine)  # a test may have wrapped it already
 

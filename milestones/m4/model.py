@@ -137,12 +137,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each (i, i + head_dim/2) pair of x by its position's angle."""
     return x * cos + rotate_half(x) * sin
-# --8<-- [end:rope]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+# --8<-- [end:rope]
 
 
 # --8<-- [start:self_attention]
@@ -172,6 +172,7 @@ class SelfAttention(nn.Module):
 # --8<-- [end:self_attention]
 
 
+# --8<-- [start:mlp]
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -181,6 +182,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+# --8<-- [end:mlp]
 
 
 # --8<-- [start:decoder_layer]

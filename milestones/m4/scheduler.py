@@ -185,7 +185,11 @@ class Scheduler:
         self.block_manager.check_integrity(cached)
         if self.tree is not None:
             self.tree.check_integrity()
-            assert self.tree.root.lock_ref == 1 + len(self.locked), "a lock was lost"
+            assert self.tree.root.lock_ref == 1 + len(self.locked), (
+                f"a lock was lost: the tree's root has lock_ref {self.tree.root.lock_ref} for {len(self.locked)} "
+                "requests in self.locked (plus its own 1): each locks the node it keeps there once (tree.lock), and "
+                "unlocks it once when it moves its lock or lets go"
+            )
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)

@@ -80,7 +80,12 @@ class BlockManager:
     def check_integrity(self, cached: list[int]) -> None:
         """free + cached + in use = all blocks, with every holder counted exactly once."""
         holders = Counter(b for table in self.block_tables.values() for b in table) + Counter(cached)
-        assert all(self.ref_count[b] == holders[b] for b in range(self.num_blocks)), "a reference count is off"
+        for block in range(self.num_blocks):
+            assert self.ref_count[block] == holders[block], (
+                f"a reference count is off: block {block} has ref_count {self.ref_count[block]} but "
+                f"{holders[block]} holders (request tables, and the tree): a block gains a holder when the tree "
+                "adopts it (hold) and loses one each time a holder lets go (release)"
+            )
         free = list(self.free_blocks)
         assert len(free) == len(set(free)) and all(self.ref_count[b] == 0 for b in free), "the free list is corrupt"
         in_use = {b for table in self.block_tables.values() for b in table}

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from milestones.m2.config import EngineConfig
 from milestones.m2.detokenizer import IncrementalDetokenizer
 from milestones.m2.sampling_params import SamplingParams
 from milestones.m2.scheduler import Scheduler
-from milestones.m2.sequence import Sequence
+from milestones.m2.sequence import Sequence, SequenceStatus
 
 
 def make_seq(request_id: str, prompt_len: int) -> Sequence:
@@ -38,10 +40,18 @@ def test_budgets_are_respected_every_step():
     for _ in range(30):  # no request finishes: every step has work
         batch = step(scheduler)
         assert batch is not None, "the scheduler planned nothing while requests were waiting and running"
-        assert sum(batch.num_new_tokens) <= 10
-        assert len(batch.seqs) <= 3 and len(scheduler.running) <= 3
+        assert sum(batch.num_new_tokens) <= 10, (
+            f"a step computes {batch.num_new_tokens} tokens, {sum(batch.num_new_tokens)} in all: the budget "
+            "max_num_batched_tokens=10 bounds them, so a request gets min(tokens left, budget left)"
+        )
+        assert len(batch.seqs) <= 3 and len(scheduler.running) <= 3, (
+            f"{len(scheduler.running)} requests run and {len(batch.seqs)} are scheduled: at most max_num_seqs=3"
+        )
         assert len(set(batch.kv_slots)) == len(batch.kv_slots), "two running requests share a KV slot"
-        assert all(n >= 1 for n in batch.num_new_tokens)
+        assert all(n >= 1 for n in batch.num_new_tokens), (
+            f"num_new_tokens {batch.num_new_tokens}: a request with no token this step is not in the batch (stop "
+            "taking requests once the budget is spent, and admit only while budget is left)"
+        )
     assert len(scheduler.running) == 3 and all(seq.num_computed_tokens == seq.num_tokens - 1
                                                 for seq in scheduler.running), "the running requests never decoded"
 
@@ -51,9 +61,13 @@ def test_long_prompt_is_chunked_and_progresses():
     seq = make_seq("long", 30)
     scheduler.add(seq)
     chunks = [step(scheduler).num_new_tokens[0] for _ in range(4)]
-    assert chunks == [8, 8, 8, 6]
+    assert chunks == [8, 8, 8, 6], (
+        f"a 30-token prompt with a budget of 8 went in as chunks {chunks}, expected [8, 8, 8, 6]: "
+        "min(tokens left, budget left) each step"
+    )
     assert seq.num_computed_tokens == 30 and seq.num_output_tokens == 1
-    assert step(scheduler).num_new_tokens == [1]  # now it decodes
+    decode = step(scheduler).num_new_tokens
+    assert decode == [1], f"once its prompt is computed a request decodes one token a step, not {decode}"
 
 
 def test_decodes_are_never_stalled_by_a_long_prefill():
@@ -64,8 +78,11 @@ def test_decodes_are_never_stalled_by_a_long_prefill():
     scheduler.add(make_seq("long", 100))
     for _ in range(5):
         batch = step(scheduler)
-        assert batch.seqs[0] is short and batch.num_new_tokens[0] == 1
-        assert sum(batch.num_new_tokens) == 8
+        plan = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        assert plan[0] == ("short", 1) and sum(batch.num_new_tokens) == 8, (
+            f"the step planned {plan}, expected ('short', 1) first, then 7 tokens of 'long': decodes come first, "
+            "then the prefill chunk gets what is left of the budget"
+        )
 
 
 def test_admission_keeps_arrival_order():
@@ -78,7 +95,10 @@ def test_admission_keeps_arrival_order():
         if batch is None:
             break
         admitted += [s.request_id for s in batch.seqs if s.request_id not in admitted]
-    assert admitted == [f"r{i}" for i in range(5)]
+    assert admitted == [f"r{i}" for i in range(5)], (
+        f"requests were admitted in the order {admitted}: waiting requests are admitted in arrival order, from the "
+        "front of the queue"
+    )
 
 
 def test_finished_and_aborted_requests_leave_at_once_and_free_their_slot():
@@ -87,21 +107,75 @@ def test_finished_and_aborted_requests_leave_at_once_and_free_their_slot():
     for seq in (a, b, c):
         scheduler.add(seq)
     first = step(scheduler)
-    assert [s.request_id for s in first.seqs] == ["a", "b"]
+    assert [s.request_id for s in first.seqs] == ["a", "b"], "max_num_seqs=2: a and b run, c waits"
     slot_of_a = first.kv_slots[0]
     a.finish("abort")
     scheduler.finish(a)
     assert a not in scheduler.running and len(scheduler.free_slots) == 1
     second = step(scheduler)
-    assert [s.request_id for s in second.seqs] == ["b", "c"]
-    assert second.kv_slots[1] == slot_of_a
+    assert [s.request_id for s in second.seqs] == ["b", "c"], (
+        f"the step after a left planned {[s.request_id for s in second.seqs]}: c is admitted into its place at once"
+    )
+    assert second.kv_slots[1] == slot_of_a, "c takes the KV slot a returned (self.free_slots.pop())"
     scheduler.finish(c)  # abort a waiting-or-running request: both leave cleanly
     scheduler.finish(b)
     assert not scheduler.has_unfinished() and sorted(scheduler.free_slots) == [0, 1]
 
 
 def test_budget_must_cover_one_decode_per_running_request():
-    import pytest
-
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_seqs=8, max_num_batched_tokens=4).resolve(1024)
+
+
+def test_the_chapters_table_step_by_step():
+    """The chapter's 16-token budget: A (5 tokens), B (9) and C (30) arrive with D (4) behind them, max_num_seqs=3;
+    A finishes in step 4, and D takes its slot in step 5."""
+    scheduler = Scheduler(EngineConfig(max_num_seqs=3, max_num_batched_tokens=16))
+    seqs = {name: make_seq(name, n) for name, n in (("A", 5), ("B", 9), ("C", 30), ("D", 4))}
+    for seq in seqs.values():
+        scheduler.add(seq)
+    table = [
+        [("A", 5), ("B", 9), ("C", 2)],  # whole prompts, then the first 2 tokens of C: the budget is spent
+        [("A", 1), ("B", 1), ("C", 14)],  # decodes first, then C's next chunk
+        [("A", 1), ("B", 1), ("C", 14)],
+        [("A", 1), ("B", 1), ("C", 1)],  # C's first token was sampled in step 3: it decodes
+        [("B", 1), ("C", 1), ("D", 4)],  # A finished in step 4: D is admitted into its slot
+    ]
+    slots = {}
+    for number, want in enumerate(table, 1):
+        batch = step(scheduler)
+        plan = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        assert plan == want, (
+            f"step {number} planned {plan}, the chapter's table {want}: decodes first, then unfinished prefills, "
+            "then waiting requests in arrival order, each getting min(tokens left, budget left) of a 16-token budget "
+            "while fewer than max_num_seqs=3 run"
+        )
+        for seq, slot in zip(batch.seqs, batch.kv_slots):
+            assert seq.status is SequenceStatus.RUNNING and seq in scheduler.running, (
+                f"request {seq.request_id} is scheduled but is {seq.status.value}: an admitted request is RUNNING "
+                "and in self.running"
+            )
+            assert slots.setdefault(seq.request_id, slot) == slot, f"request {seq.request_id} changed KV slot"
+        if number == 4:
+            seqs["A"].finish("stop")
+            scheduler.finish(seqs["A"])
+    assert slots["D"] == slots["A"], f"D got slot {slots['D']}: the slot A returned, {slots['A']}, was the free one"
+
+
+def test_nothing_to_schedule_is_none():
+    scheduler = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=8))
+    assert scheduler.schedule() is None, "with no request running or waiting, schedule() returns None, not a batch"
+
+
+def test_decodes_keep_arrival_order_whatever_their_length():
+    """X (12 tokens) arrived before Y (3 tokens): when both decode, X's token comes first (a stable sort)."""
+    scheduler = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=16))
+    scheduler.add(make_seq("X", 12))
+    scheduler.add(make_seq("Y", 3))
+    step(scheduler)
+    batch = step(scheduler)
+    plan = [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+    assert plan == [("X", 1), ("Y", 1)], (
+        f"the step planned {plan}, expected [('X', 1), ('Y', 1)]: decodes come first in arrival order (sort the "
+        "running requests only by whether they decode, with a stable sort)"
+    )

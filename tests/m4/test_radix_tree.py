@@ -17,15 +17,26 @@ BS = 2
 def test_match_insert_and_split_at_block_boundaries():
     tree = RadixTree(BS)
     node, adopted = tree.insert([1, 2, 3, 4, 5, 6], [10, 11, 12])
-    assert adopted == [10, 11, 12]
-    assert tree.match_prefix([1, 2, 3, 4, 9, 9]) == ([10, 11], tree.match_prefix([1, 2, 3, 4])[1])
-    assert tree.match_prefix([1, 2, 3])[0] == [10]  # whole blocks only
-    assert tree.match_prefix([7, 8])[0] == []
+    assert adopted == [10, 11, 12], f"insert into an empty tree adopted {adopted}: every block is new to it"
+    blocks, node = tree.match_prefix([1, 2, 3, 4, 9, 9])
+    assert blocks == [10, 11], (
+        f"[1, 2, 3, 4, 9, 9] matched blocks {blocks}, expected [10, 11]: only the blocks whose tokens (and all "
+        "before them) agree"
+    )
+    assert node.blocks == [10, 11] and node.tokens == (1, 2, 3, 4) and node.children, (
+        f"the match ended at a node with tokens {node.tokens} and blocks {node.blocks}: an edge the prompt leaves "
+        "midway is split (self._split(child, same)), so the match's last node ends exactly where the match does"
+    )
+    assert tree.match_prefix([1, 2, 3])[0] == [10], "whole blocks only: [1, 2, 3] matches the block [1, 2] alone"
+    assert tree.match_prefix([7, 8]) == ([], tree.root), "no shared block: ([], self.root)"
     # A second prompt that shares two blocks then diverges: the edge is split, only the new block is adopted.
     _, adopted = tree.insert([1, 2, 3, 4, 7, 7], [20, 21, 22])
-    assert adopted == [22]
+    assert adopted == [22], (
+        f"the second insert adopted {adopted}, expected [22]: the tree keeps its own blocks 10, 11 for the tokens "
+        "it had and takes only the block of the new ones"
+    )
     assert tree.match_prefix([1, 2, 3, 4, 7, 7, 0])[0] == [10, 11, 22]
-    assert sorted(tree.cached_blocks()) == [10, 11, 12, 22]
+    assert sorted(tree.cached_blocks()) == [10, 11, 12, 22], f"the tree holds {sorted(tree.cached_blocks())}"
     tree.check_integrity()
 
 
@@ -33,7 +44,10 @@ def test_duplicate_insert_keeps_the_first_blocks():
     tree = RadixTree(BS)
     tree.insert([1, 2, 3, 4], [10, 11])
     node, adopted = tree.insert([1, 2, 3, 4], [30, 31])  # computed again by a request running alongside
-    assert adopted == [] and node.blocks == [10, 11]
+    assert adopted == [] and node.blocks == [10, 11], (
+        f"inserting tokens the tree has adopted {adopted} and ended at blocks {node.blocks}: it keeps its own "
+        "blocks [10, 11] and adopts nothing ([])"
+    )
     assert tree.match_prefix([1, 2, 3, 4, 5])[0] == [10, 11]
     tree.check_integrity()
 
@@ -45,12 +59,27 @@ def test_locked_paths_are_never_evicted_and_eviction_is_lru():
     c, _ = tree.insert([4, 4], [4])
     tree.match_prefix([3, 3])  # touch b: now c is the least recently used
     tree.lock(a)
-    assert tree.num_evictable_blocks == 2  # b and c; a's path is locked
-    assert tree.evict(1) == [4]
-    assert tree.evict(10) == [3]  # a's path is locked: nothing else can go
+    assert tree.num_evictable_blocks == 2, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks} with a's path locked, expected 2 (b and c): a node's "
+        "blocks leave the count when its lock_ref leaves 0"
+    )
+    first = tree.evict(1)
+    assert first == [4], (
+        f"evict(1) released {first}, expected c's [4]: match_prefix([3, 3]) stamped b as used after c, so c is the "
+        "least recently used leaf (every match and insert stamps last_access = next(self._clock))"
+    )
+    rest = tree.evict(10)
+    assert rest == [3], f"evict(10) released {rest}, expected [3]: a's path is locked, so only b can go"
     tree.unlock(a)
-    assert tree.num_evictable_blocks == 2
-    assert sorted(tree.evict(10)) == [1, 2]  # leaf first, then its parent once it is a leaf
+    assert tree.num_evictable_blocks == 2, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks} after unlock, expected 2: a's blocks come back when "
+        "its lock_ref returns to 0"
+    )
+    released = sorted(tree.evict(10))
+    assert released == [1, 2], (
+        f"evict(10) released {released}, expected [1, 2]: the leaf first, then its parent, a leaf once its child "
+        "is gone"
+    )
     assert tree.cached_blocks() == []
     tree.check_integrity()
 
@@ -71,16 +100,48 @@ def test_cached_prefix_length_agrees_with_match_prefix_and_changes_nothing():
 def test_evictable_count_follows_inserts_splits_locks_and_evictions():
     tree = RadixTree(BS)
     node, _ = tree.insert([1, 2, 3, 4, 5, 6], [1, 2, 3])
-    assert tree.num_evictable_blocks == 3
+    assert tree.num_evictable_blocks == 3, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks} after inserting 3 blocks, expected 3: a new node is "
+        "unlocked, so insert adds its blocks"
+    )
     tree.lock(node)
-    assert tree.num_evictable_blocks == 0
+    assert tree.num_evictable_blocks == 0, f"num_evictable_blocks is {tree.num_evictable_blocks} once locked, not 0"
     tree.insert([1, 2, 9, 9], [4, 5])  # splits the locked edge after one block and hangs an unlocked leaf
-    assert tree.num_evictable_blocks == 1
+    assert tree.num_evictable_blocks == 1, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks}, expected 1: the split changes nothing (both halves "
+        "stay locked), the new leaf [9, 9] adds its block"
+    )
     tree.check_integrity()
     tree.unlock(node)
-    assert tree.num_evictable_blocks == 4
-    assert tree.evict(1) == [2, 3] and tree.num_evictable_blocks == 2  # the least recently used leaf goes whole
-    assert sorted(tree.evict(10)) == [1, 5] and tree.num_evictable_blocks == 0
+    assert tree.num_evictable_blocks == 4, f"num_evictable_blocks is {tree.num_evictable_blocks} after unlock, not 4"
+    first = tree.evict(1)
+    assert first == [2, 3] and tree.num_evictable_blocks == 2, (
+        f"evict(1) released {first} (num_evictable_blocks now {tree.num_evictable_blocks}), expected [2, 3] and 2: "
+        "the least recently used leaf goes whole, even past num_blocks"
+    )
+    rest = sorted(tree.evict(10))
+    assert rest == [1, 5] and tree.num_evictable_blocks == 0, f"evict(10) released {rest}, expected [1, 5]"
+    tree.check_integrity()
+
+
+def test_two_requests_on_the_same_path_take_its_blocks_off_the_count_once():
+    """Two running requests share a cached prompt: the second lock, and the first unlock, change no count."""
+    tree = RadixTree(BS)
+    node, _ = tree.insert([1, 2, 3, 4], [1, 2])
+    tree.lock(node)
+    tree.lock(node)
+    assert (node.lock_ref, tree.num_evictable_blocks) == (2, 0), (
+        f"after two locks the node has lock_ref {node.lock_ref} and num_evictable_blocks is "
+        f"{tree.num_evictable_blocks}, expected 2 and 0: a node's blocks leave the count only when its lock_ref "
+        "leaves 0"
+    )
+    tree.unlock(node)
+    assert tree.num_evictable_blocks == 0, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks} with one lock left, expected 0: the blocks come back "
+        "only when lock_ref returns to 0"
+    )
+    tree.unlock(node)
+    assert tree.num_evictable_blocks == 2, f"num_evictable_blocks is {tree.num_evictable_blocks} once unlocked, not 2"
     tree.check_integrity()
 
 
@@ -98,10 +159,13 @@ def test_split_keeps_lock_counts():
     node, _ = tree.insert([1, 2, 3, 4, 5, 6], [1, 2, 3])
     tree.lock(node)
     _, upper = tree.match_prefix([1, 2, 3, 4, 0, 0])  # splits the locked edge
-    assert upper.lock_ref == 1 and upper.children
+    assert upper.children and upper.lock_ref == 1, (
+        f"the match ended at a node with {len(upper.children)} children and lock_ref {upper.lock_ref}: leaving the "
+        "edge midway splits it (self._split), and the upper half keeps the lock of the original"
+    )
     tree.check_integrity()
     tree.unlock(node)
-    assert tree.root.lock_ref == 1
+    assert tree.root.lock_ref == 1, f"the root's lock_ref is {tree.root.lock_ref}: unlock undoes lock, up to the root"
     tree.check_integrity()
 
 
@@ -131,7 +195,7 @@ def test_random_operations_agree_with_a_simple_model(ops):
                 key = tuple(whole[: (i + 1) * BS])
                 if key not in oracle:
                     oracle[key] = block
-                    assert block in adopted
+                    assert block in adopted, f"insert({whole}) did not report block {block} as adopted, yet it is new"
         elif op in ("match", "lock"):
             expected = []
             for i in range(len(tokens) // BS):
@@ -143,7 +207,7 @@ def test_random_operations_agree_with_a_simple_model(ops):
             assert tree.cached_prefix_length(tokens) == len(expected) * BS
             assert _snapshot(tree) == before, "the read-only query changed the tree"
             blocks, node = tree.match_prefix(tokens)
-            assert blocks == expected
+            assert blocks == expected, f"match_prefix({tokens}) gave {blocks}, the cached blocks are {expected}"
             if op == "lock":
                 tree.lock(node)
                 locks.append(node)
@@ -157,9 +221,12 @@ def test_random_operations_agree_with_a_simple_model(ops):
             for key in [k for k, b in oracle.items() if b in released]:
                 del oracle[key]
         tree.check_integrity()
-        assert sorted(tree.cached_blocks()) == sorted(oracle.values())
+        assert sorted(tree.cached_blocks()) == sorted(oracle.values()), f"after {op}, the tree holds other blocks"
         on_locked_paths = {b for node in locks for b in _path_blocks(node)}
-        assert tree.num_evictable_blocks == len(set(oracle.values()) - on_locked_paths)
+        assert tree.num_evictable_blocks == len(set(oracle.values()) - on_locked_paths), (
+            f"after {op}, num_evictable_blocks is {tree.num_evictable_blocks}: the blocks of nodes with lock_ref 0 "
+            f"are {len(set(oracle.values()) - on_locked_paths)}"
+        )
     for node in locks:
         tree.unlock(node)
     tree.evict(10**6)

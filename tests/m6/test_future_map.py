@@ -11,9 +11,14 @@ CPU = torch.device("cpu")
 
 def test_future_ids_are_negative_and_wrap_around_the_ring():
     futures = FutureMap(4, CPU)
-    assert futures.allocate(3) == [-1, -2, -3]
-    assert futures.allocate(3) == [-4, -1, -2]  # the ring has four places
-    assert futures.allocate(0) == []
+    first = futures.allocate(3)
+    assert first == [-1, -2, -3], f"the first 3 future ids are {first}, expected [-1, -2, -3]: -1 - i for place i"
+    second = futures.allocate(3)
+    assert second == [-4, -1, -2], (
+        f"the next 3 are {second}, expected [-4, -1, -2]: the ring has four places, so after -4 the ids start "
+        "again at -1 (-1 - (self.next + i) % size, and self.next goes round the ring too)"
+    )
+    assert futures.allocate(0) == [], "allocate(0) hands out no id: []"
 
 
 def test_resolve_replaces_only_future_ids_by_their_stored_tokens():
@@ -24,7 +29,11 @@ def test_resolve_replaces_only_future_ids_by_their_stored_tokens():
     futures.store(second, torch.tensor([201, 202, 203]))
     input_ids = torch.tensor([7, second[2], first[0], 0, second[0], first[1]])
     futures.resolve_(input_ids)  # in place: the step's input buffer itself
-    assert input_ids.tolist() == [7, 203, 101, 0, 201, 102]
+    assert input_ids.tolist() == [7, 203, 101, 0, 201, 102], (
+        f"after resolve_ the input ids are {input_ids.tolist()}, expected [7, 203, 101, 0, 201, 102]: each "
+        "negative id becomes self.tokens[-1 - id], written into the caller's tensor itself (input_ids.copy_), "
+        "and ids >= 0 stay"
+    )
 
 
 def test_a_later_step_overwrites_a_slot_only_after_the_ring_wraps():
@@ -36,4 +45,6 @@ def test_a_later_step_overwrites_a_slot_only_after_the_ring_wraps():
     futures.store(again, torch.tensor([9]))
     input_ids = torch.tensor(ids)
     futures.resolve_(input_ids)
-    assert input_ids.tolist() == [9, 6]
+    assert input_ids.tolist() == [9, 6], (
+        f"resolved to {input_ids.tolist()}, expected [9, 6]: the ring wrapped, so place 0 now holds the later 9"
+    )

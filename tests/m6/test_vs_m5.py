@@ -130,7 +130,11 @@ def test_a_request_finishing_by_length_gives_up_its_place_at_once(tiny_model_pat
     reference = run(m5, reference_llm, prompts, settings)
     with m6.LLM(tiny_model_path, async_scheduling=True, **few_places) as llm:
         assert_same_outputs(stepped(llm, prompts, settings), reference)
-        assert llm.engine.num_steps == reference_llm.engine.num_steps
+        assert llm.engine.num_steps == reference_llm.engine.num_steps, (
+            f"{llm.engine.num_steps} steps where m5 took {reference_llm.engine.num_steps}: a request that reaches "
+            "max_tokens gives its place back when the step that samples its last token is processed "
+            "(self.scheduler.finish in _process), and every processed step counts once (self.num_steps += 1)"
+        )
 
 
 def test_a_step_is_in_flight_between_calls(tiny_model_path):
@@ -395,7 +399,10 @@ def test_the_trace_has_one_event_of_each_kind_per_step(tiny_model_path, tmp_path
     complete = [e for e in events if e["ph"] == "X"]
     for name in ("schedule", "forward", "process"):
         mine = [e for e in complete if e["name"] == name]
-        assert sorted(e["args"]["step"] for e in mine) == list(range(1, num_steps + 1)), name
+        assert sorted(e["args"]["step"] for e in mine) == list(range(1, num_steps + 1)), (
+            f"the trace's {name!r} events are for steps {sorted(e['args']['step'] for e in mine)}, expected one for "
+            f"each of steps 1..{num_steps} (_process records 'process' with launched.number once per step)"
+        )
         assert len({e["tid"] for e in mine}) == 1 and all(e["args"]["batch_size"] >= 1 for e in mine)
         assert all(e["dur"] >= 0 for e in mine)
     assert len({e["tid"] for e in complete}) == 3

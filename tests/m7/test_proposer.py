@@ -12,17 +12,29 @@ def test_the_latest_earlier_occurrence_of_the_longest_suffix_wins():
     proposer = NgramProposer(min_n=1, max_n=3)
     #            0  1  2  3  4  5  6  7  8  9
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3]
-    assert proposer.propose(tokens, 2) == [8, 1]  # "1 2 3" last seen at 4..6, followed by 8
-    assert proposer.propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]  # only as many as follow the match
-    assert proposer.propose([4, 1, 2, 7, 2], 2) == [7, 2]  # "7 2" never repeats; "2" does, at 2
-    assert NgramProposer(min_n=2, max_n=3).propose([4, 1, 2, 7, 2], 2) == []  # a single token is too short here
+    got = proposer.propose(tokens, 2)
+    assert got == [8, 1], (
+        f"proposed {got} after {tokens}, expected [8, 1]: '1 2 3' was last seen at 4..6, followed by 8 (the latest "
+        "earlier occurrence wins, never the suffix itself at the end)"
+    )
+    got = proposer.propose([5, 6, 7, 5, 6], 3)
+    assert got == [7, 5, 6], f"proposed {got}, expected [7, 5, 6]: only as many tokens as follow the match"
+    got = proposer.propose([4, 1, 2, 7, 2], 2)
+    assert got == [7, 2], f"proposed {got}, expected [7, 2]: '7 2' never repeats, so n goes down to 1: '2' at 2"
+    got = NgramProposer(min_n=2, max_n=3).propose([4, 1, 2, 7, 2], 2)
+    assert got == [], f"proposed {got} with min_n=2, expected []: a single token is too short a match here"
+    got = NgramProposer(min_n=1, max_n=2).propose([1, 2, 5, 7, 2, 9, 1, 2], 2)
+    assert got == [5, 7], (
+        f"proposed {got}, expected [5, 7]: the longest suffix first, n from max_n down: '1 2' (seen at 0) before "
+        "'2' alone (seen later, at 4)"
+    )
 
 
 def test_nothing_to_propose():
     proposer = NgramProposer(min_n=1, max_n=4)
-    assert proposer.propose([1, 2, 3, 4], 3) == []  # no token repeats
-    assert proposer.propose([7], 3) == []
-    assert proposer.propose([1, 1, 1], 0) == []
+    assert proposer.propose([1, 2, 3, 4], 3) == [], "no token repeats: nothing to propose, []"
+    assert proposer.propose([7], 3) == [], "one token has no earlier occurrence: []"
+    assert proposer.propose([1, 1, 1], 0) == [], "num_tokens 0: []"
 
 
 def sequence(prompt: list[int], max_tokens: int | None, generated: list[int]) -> Sequence:

@@ -1,0 +1,177 @@
+"""The learner's whole path, end to end: every exercise can be completed, and completing it passes every step.
+
+For each milestone with an exercise, ``start`` writes the skeleton; the test then fills it
+the way a learner would, touching nothing but each stub (its TODO comment and its
+``raise NotImplementedError``), which it replaces by the reference function's body; and
+``check`` runs every step against the filled package. A stub cut in the wrong place, or a
+step whose tests need something the skeleton lost, fails here.
+
+Each milestone's check reruns that milestone's own tests (the steps' files, the contract),
+so that test is the slowest of the exercise tests: it is marked ``real_model``, like the
+tests it reruns, and CI's ``make test`` runs it (it deselects no marker); ``make
+test-fast`` leaves it out. The quick tests here run everywhere: filling the stubs gives
+back the reference byte for byte, the "Build it yourself" page says what lessons.py
+declares, and the chapters keep the lesson's functions folded.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start
+from milestones.lessons import LESSONS
+from tests.conftest import needs_compiler
+
+# m5's steps capture with torch.compile on a CPU: without a compiler they skip, and a skipped step proves nothing.
+NEEDS_COMPILER = {"m5": needs_compiler}
+
+
+@dataclass(frozen=True, slots=True)
+class Stub:
+    """A stubbed function in a skeleton: its TODO comment and ``raise`` are lines ``first`` to ``last`` (0-based)."""
+
+    name: str
+    first: int
+    last: int
+
+
+def reference_body(source: str, name: str) -> list[str]:
+    """The lines of the function's body after its docstring: exactly what ``exercise.stub`` removes."""
+    node = functions(ast.parse(source))[name]
+    body = node.body
+    has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    begin = body[0].end_lineno if has_docstring else body[0].lineno - 1
+    return source.splitlines(keepends=True)[begin : node.end_lineno]
+
+
+def find_stub(lines: list[str], name: str, node: ast.FunctionDef) -> Stub:
+    """Where the stub is: the ``# TODO(`` comment lines and the ``raise NotImplementedError`` that ends the body."""
+    raise_ = node.body[-1]
+    assert isinstance(raise_, ast.Raise) and "NotImplementedError" in ast.unparse(raise_), (
+        f"{name} does not end with `raise NotImplementedError`: it is not a stub"
+    )
+    first = raise_.lineno - 1
+    while first > 0 and lines[first - 1].lstrip().startswith("#") and not lines[first].lstrip().startswith("# TODO("):
+        first -= 1
+    assert lines[first].lstrip().startswith("# TODO("), f"{name}: no `# TODO(` comment right above its raise"
+    return Stub(name, first, raise_.end_lineno - 1)
+
+
+def fill(skeleton: str, reference: str, names: set[str]) -> str:
+    """The skeleton with each named stub replaced by the reference's body, as a learner writes it; nothing else."""
+    defined = functions(ast.parse(skeleton))
+    lines = skeleton.splitlines(keepends=True)
+    stubs = [find_stub(lines, name, defined[name]) for name in names]
+    for stub in sorted(stubs, key=lambda s: -s.first):  # bottom up: the line numbers above stay valid
+        lines[stub.first : stub.last + 1] = reference_body(reference, stub.name)
+    return "".join(lines)
+
+
+def first_difference(ours: str, reference: str) -> str:
+    """Where two sources first differ, to say what a fill got wrong."""
+    a, b = ours.splitlines() + ["<end of file>"], reference.splitlines() + ["<end of file>"]
+    number = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return f"line {number + 1}: filled {a[number]!r}, reference {b[number]!r}"
+
+
+def package_files(folder: Path) -> dict[str, str]:
+    """Every file of a package but the bytecode caches, by its path inside the package."""
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
+def write_filled(lesson: str, package: Path) -> None:
+    """Write the lesson's skeleton to ``package``, then fill every stub with the reference's body."""
+    start(lesson, package)
+    stubbed: dict[str, set[str]] = {}
+    for step in LESSONS[lesson]:
+        for exercise in step.exercises:
+            stubbed.setdefault(exercise.file, set()).update(exercise.functions)
+    for file, names in sorted(stubbed.items()):
+        path = package / file
+        path.write_text(fill(path.read_text(), (PACKAGE_ROOT / lesson / file).read_text(), names))
+
+
+@pytest.mark.parametrize("lesson", sorted(LESSONS))
+def test_filling_only_the_stubs_gives_back_the_reference(lesson, tmp_path):
+    """What the learner writes is all the skeleton lacks: filled, the package is the reference, byte for byte."""
+    write_filled(lesson, tmp_path / lesson)
+    reference, filled = package_files(PACKAGE_ROOT / lesson), package_files(tmp_path / lesson)
+    assert filled.keys() == reference.keys(), f"files: {sorted(filled.keys() ^ reference.keys())}"
+    for name in reference:
+        difference = first_difference(filled[name], reference[name]) if filled[name] != reference[name] else ""
+        assert not difference, f"{name} differs from the reference after filling, at {difference}"
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("lesson", [pytest.param(m, marks=NEEDS_COMPILER.get(m, ())) for m in sorted(LESSONS)])
+def test_a_skeleton_filled_with_the_reference_bodies_passes_every_step(lesson, tmp_path):
+    """The path can be walked to its end: a learner who writes each stub as the reference does passes every step."""
+    package = tmp_path / lesson
+    write_filled(lesson, package)
+    result = subprocess.run([sys.executable, "-m", "milestones.exercise", "check", lesson, "--impl", str(package)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800)
+    steps = len(LESSONS[lesson])
+    assert result.returncode == 0 and f"{steps} of {steps} steps pass" in result.stdout, (
+        f"the filled {lesson} does not pass every step (rc {result.returncode}):\n{result.stdout}\n{result.stderr}"
+    )
+
+
+@pytest.mark.parametrize("lesson", sorted(LESSONS))
+def test_the_build_it_yourself_page_names_each_milestones_functions_and_steps(lesson):
+    """docs/exercises.md says what each milestone asks of a learner, step by step: what lessons.py declares."""
+    page = (REPO_ROOT / "docs" / "exercises.md").read_text()
+    declared = {name: number for number, step in enumerate(LESSONS[lesson], 1)
+                for exercise in step.exercises for name in exercise.functions}
+    counts = f"{len(declared)} functions, {len(LESSONS[lesson])} steps"
+    row = next((line for line in page.splitlines() if line.startswith(f"| [{lesson}](")), None)
+    assert row is not None, f"docs/exercises.md: no row for {lesson} in the table of the path"
+    assert counts in row, f"docs/exercises.md's row for {lesson} should say {counts!r}: {row}"
+    section = re.search(rf"^### {lesson}: .*?(?=^##)", page, re.MULTILINE | re.DOTALL)
+    assert section, f"docs/exercises.md: no section '### {lesson}: ...'"
+    bullet = re.search(r"^- \*\*You write:\*\*(.*?)(?=^- \*\*)", section.group(), re.MULTILINE | re.DOTALL)
+    assert bullet, f"docs/exercises.md: {lesson}'s section has no '- **You write:**' item"
+    # "`A.f` and `g` (step 1), `h` (step 2): ..." names each function before the step that first checks it
+    pieces = re.split(r"\(step (\d+)\)", bullet.group(1))
+    named = {name: int(number) for text, number in zip(pieces[::2], pieces[1::2])
+             for name in re.findall(r"`([\w.]+)`", text)}
+    stray = re.findall(r"`([\w.]+)`", pieces[-1])
+    assert named == declared and not stray, (
+        f"docs/exercises.md, {lesson}'s 'You write' says {named} (and {stray} with no step); "
+        f"lessons.py declares {declared}"
+    )
+
+
+INCLUDE = re.compile(r'(?P<indent> *)--8<-- "milestones/(?P<package>m\d+)/(?P<file>[\w.]+)(?::(?P<section>[\w-]+))?"')
+
+
+@pytest.mark.parametrize("lesson", sorted(LESSONS))
+def test_the_chapter_folds_every_listing_of_a_lesson_function(lesson):
+    """A listing that shows a function the learner writes is the answer: it stays folded until opened on purpose."""
+    lines = (REPO_ROOT / "docs" / f"{lesson}.md").read_text().splitlines()
+    written = {(exercise.file, name) for step in LESSONS[lesson] for exercise in step.exercises
+               for name in exercise.functions}
+    for number, line in enumerate(lines):
+        include = INCLUDE.fullmatch(line)
+        if not include or include["package"] != lesson:
+            continue
+        source = (PACKAGE_ROOT / lesson / include["file"]).read_text()
+        first, last = section_lines(source, include["section"]) if include["section"] else (0, 1 << 30)
+        shown = sorted(name for name, node in functions(ast.parse(source)).items()
+                       if (include["file"], name) in written and first < node.lineno < last)
+        if not shown:
+            continue
+        above = number - 1
+        while above > 0 and (not lines[above].strip() or lines[above].startswith("    ")):
+            above -= 1
+        folded = (include["indent"] == "    " and lines[above].startswith('??? example "The reference ')
+                  and lines[above].endswith('(open once you have written yours)"'))
+        assert folded, (f"docs/{lesson}.md line {number + 1} shows {shown}, which the learner writes, in the open: "
+                        f"fold it in a '??? example \"The reference ... (open once you have written yours)\"' block")
