@@ -23,13 +23,14 @@ def draw(n: int, **params) -> torch.Tensor:
     """n tokens of one sequence, each appended before the next is drawn (the noise depends on the position)."""
     sampler, s = Sampler(torch.device("cpu")), seq(**params)
     for _ in range(n):
-        s.token_ids.append(sampler(LOGITS, [s])[0])
+        s.token_ids.append(sampler(LOGITS, [s])[0].token_id)
     return torch.tensor(s.output_token_ids)
 
 
 def test_greedy_takes_the_argmax_per_row():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
-    assert Sampler(torch.device("cpu"))(logits, [seq(temperature=0), seq(temperature=0)]) == [1, 0]
+    picks = Sampler(torch.device("cpu"))(logits, [seq(temperature=0), seq(temperature=0)])
+    assert [pick.token_id for pick in picks] == [1, 0]
 
 
 def test_sampling_follows_the_softmax():
@@ -55,8 +56,8 @@ def test_seed_fixes_the_stream_and_rows_do_not_interact():
     assert not torch.equal(a, draw(50, seed=6))
     sampler, s1, s2 = Sampler(torch.device("cpu")), seq(seed=5), seq(seed=9)
     for _ in range(50):
-        for s, token in zip([s1, s2], sampler(LOGITS.repeat(2, 1), [s1, s2])):
-            s.token_ids.append(token)
+        for s, pick in zip([s1, s2], sampler(LOGITS.repeat(2, 1), [s1, s2])):
+            s.token_ids.append(pick.token_id)
     assert torch.equal(torch.tensor(s1.output_token_ids), a)
 
 
