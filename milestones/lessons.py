@@ -105,14 +105,31 @@ LESSONS: dict[str, tuple[Step, ...]] = {
               Exercise("model.py", "compute_logits", ("CausalLM.compute_logits",),
                        "the LM head (self.lm_head) over the given hidden rows, as float32 whatever the model's dtype: "
                        "[rows, vocab]."))),
-        Step("the sampler", ("tests/m1/test_sampler.py",),
+        Step("the sampler", ("tests/m1/test_sampler.py",
+                             "tests/m1/test_penalties.py::test_each_penalty_on_hand_made_logits",
+                             "tests/m1/test_penalties.py::test_greedy_rows_are_penalized_too",
+                             "tests/m1/test_logprobs.py::test_the_chosen_tokens_rank_counts_the_likelier_tokens"),
              "greedy rows ignore the noise; top-p keeps the token that crosses it, on what top-k kept; the noise "
              "depends on the request's seed and the token's position alone",
              (Exercise("sampler.py", "sample", ("Sampler.__call__",),
-                       "return a list of ints, one per row of logits [rows, vocab]: a greedy row "
-                       "(`seq.params.greedy`) takes its argmax; the other rows divide their logits by their "
-                       "temperature, go through self.filtered_probs together, and each takes `argmax(probs / noise)` "
-                       "with its own `self.exponential_noise(seq, vocab)`: the tests recompute every row's token."),
+                       "return a list of `SampledToken(token_id, logprobs)`, one per row of logits [rows, vocab]. "
+                       "First `self.apply_penalties(logits, seqs)` (keep the model's own logits for the "
+                       "log-probabilities); then a greedy row (`seq.params.greedy`) takes its argmax; the other rows "
+                       "divide their logits by their temperature, go through self.filtered_probs together, and each "
+                       "takes `argmax(probs / noise)` with its own `self.exponential_noise(seq, vocab)`; each row's "
+                       "logprobs are `self.logprobs(model_logits, seqs, token_ids)`'s: the tests recompute every "
+                       "row's token."),
+              Exercise("sampler.py", "penalties", ("Sampler.apply_penalties",),
+                       "for each row whose `seq.params.has_penalties`: the repetition penalty on every token of the "
+                       "prompt or the output (a positive logit divided by it, a negative one multiplied), then minus "
+                       "`frequency_penalty` times each token's count in the output and `presence_penalty` once for "
+                       "each token in it. Return new logits (the caller's stay as they are), or the same tensor when "
+                       "no row has penalties."),
+              Exercise("sampler.py", "logprobs", ("Sampler.logprobs",),
+                       "for each row whose `seq.params.logprobs` is k (not None), a dict `{token: Logprob(logprob, "
+                       "rank)}` from log_softmax of the given logits: the chosen token first (rank: 1 + the number of "
+                       "likelier tokens), then the k likeliest in order (rank 1, 2, ...; the chosen one not twice); "
+                       "None for the other rows."),
               Exercise("sampler.py", "filtered_probs", ("Sampler.filtered_probs",),
                        "the probabilities [rows, vocab] after each row's top-k (-1, or a top_k beyond the vocabulary, "
                        "keeps every token), then top-p on what top-k kept: a token stays if the tokens ranked above it "
@@ -126,8 +143,8 @@ LESSONS: dict[str, tuple[Step, ...]] = {
         # transformers' tokens on tiny random checkpoints; the CPU's packed linear layers ("auto") are no part of the
         # lesson, and the contract runs them
         Step("the loop: transformers' tokens and stops",
-             ("tests/m1/test_generate.py", "tests/m1/test_vs_transformers.py", "-m", "not real_model", "-k",
-              "not auto"),
+             ("tests/m1/test_generate.py", "tests/m1/test_vs_transformers.py", "tests/m1/test_logprobs.py", "-m",
+              "not real_model", "-k", "not auto"),
              "stop tokens stay in token_ids but add no text; max_tokens counts output tokens; the first rule that "
              "matches wins: stop token, stop string, max_tokens, full context",
              (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
@@ -139,7 +156,7 @@ LESSONS: dict[str, tuple[Step, ...]] = {
               Exercise("model_runner.py", "execute", ("ModelRunner.execute",),
                        "prepare the inputs, run self.model over them once, take the hidden rows of "
                        "inputs.sample_rows through self.compute_logits (the CPU's packed head, or the model's), and "
-                       "return self.sampler's tokens for inputs.sample_seqs."),
+                       "return what self.sampler gives for inputs.sample_seqs (a SampledToken each)."),
               Exercise("engine.py", "stop_rules", ("LLMEngine._append_token",),
                        "append token to seq.token_ids; set seq.metrics.first_token_time (the first time only), "
                        "last_token_time and num_output_tokens; then the stop rules, the first that matches wins: a "

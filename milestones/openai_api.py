@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 # OpenAI's parameters this server honours (`user`, `store` and `metadata` are bookkeeping, accepted and unused); any
 # other is refused, rather than silently ignored, unless it holds the value that asks for nothing (NO_OPS).
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "ignore_eos", "user", "store", "metadata"}
-COMPLETION_KEYS = COMMON | {"prompt"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
+          "ignore_eos", "user", "store", "metadata", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+COMPLETION_KEYS = COMMON | {"prompt", "logprobs"}  # logprobs: how many of the likeliest tokens to return
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}  # a flag, and how many
 
 # Options this server does not implement, and the values of each that ask for nothing: clients (LangChain, lm-eval,
 # guidellm) send them on every request. Any other value is refused with the values that are accepted.
@@ -25,12 +26,7 @@ CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 NO_OPS = {
     "n": (1,),
     "best_of": (1,),
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "repetition_penalty": (1,),  # vLLM's extension
     "echo": (False,),
-    "logprobs": (False,),  # chat's flag; a completion's count of top tokens (0 is one: the chosen token) is refused
-    "top_logprobs": (0,),
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -84,13 +80,30 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
     else:
         prompts = completion_prompts(body.get("prompt"))
         max_tokens = body.get("max_tokens", 16)
-    sampling = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "stop")
+    sampling = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "presence_penalty", "frequency_penalty",
+                "repetition_penalty")  # repetition_penalty: vLLM's extension
     settings = {key: body[key] for key in sampling if key in body}
+    settings["logprobs"] = requested_logprobs(body, chat)
     try:
         params = sampling_params(max_tokens=max_tokens, **settings)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
     return Job(prompts, params, stream, bool(options.get("include_usage")) and stream, chat)
+
+
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """How many of the likeliest tokens to return with each token's log-probability (None: no log-probabilities).
+
+    A completion asks with ``logprobs: k``; a chat with ``logprobs: true`` and ``top_logprobs: k`` (0 if left out).
+    """
+    flag, top = body.get("logprobs", False), body.get("top_logprobs")
+    if not chat:
+        return None if flag is False else flag  # the engine checks the number
+    if not isinstance(flag, bool):
+        raise BadRequest(f"logprobs must be true or false in a chat (top_logprobs says how many), got {flag!r}")
+    if top not in (None, 0) and not flag:
+        raise BadRequest("top_logprobs needs logprobs: true")
+    return (0 if top is None else top) if flag else None
 
 
 def _same(given: object, value: object) -> bool:
@@ -114,13 +127,16 @@ def completion_prompts(prompt: object) -> list[str | list[int]]:
 class Answer:
     """A request's answer in OpenAI's shape, built up from the engine's outputs: whole, or as stream chunks."""
 
-    def __init__(self, job: Job, request_id: str, model: str, index: int = 0) -> None:
+    def __init__(self, job: Job, request_id: str, model: str, index: int = 0, token_texts: Sequence[str] = ()) -> None:
         self.job, self.model, self.index = job, model, index  # index: the choice (a batched prompt's place)
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.text, self.finish_reason, self.finished = "", None, False
         self.prompt_tokens = self.completion_tokens = 0
         self.sent_role = False
+        self.token_texts = token_texts  # each token id's text: log-probabilities name tokens by their text
+        self.logprobs: list[tuple[int, dict]] = []  # (token id, {token id: Logprob}) of every token so far
+        self.sent_logprobs = 0  # how many of them the stream has sent
 
     def update(self, output: Any) -> dict | None:
         """Take the engine's latest output; the stream chunk it adds (None if it adds nothing)."""
@@ -128,22 +144,48 @@ class Answer:
         delta, self.text = completion.text[len(self.text):], completion.text
         self.prompt_tokens, self.completion_tokens = len(output.prompt_token_ids), len(completion.token_ids)
         self.finished, self.finish_reason = output.finished, completion.finish_reason
+        if completion.logprobs is not None:
+            self.logprobs = list(zip(completion.token_ids, completion.logprobs))
         if not delta and not self.finished:
-            return None
+            return None  # a token whose text is held back (a possible stop string): its log-probability waits too
+        fresh, self.sent_logprobs = self._logprobs(self.sent_logprobs), len(self.logprobs)
         if self.job.chat:
             message = {"content": delta} if self.sent_role else {"role": "assistant", "content": delta}
             self.sent_role = True
-            choice = {"index": self.index, "delta": message, "finish_reason": self.finish_reason}
+            choice = {"index": self.index, "delta": message, "logprobs": fresh, "finish_reason": self.finish_reason}
             return self._envelope("chat.completion.chunk", choice)
-        choice = {"index": self.index, "text": delta, "finish_reason": self.finish_reason, "logprobs": None}
+        choice = {"index": self.index, "text": delta, "finish_reason": self.finish_reason, "logprobs": fresh}
         return self._envelope("text_completion", choice)
 
     def choice(self) -> dict:
         """This choice of the whole answer."""
         if self.job.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": self.text},
-                    "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": self.text, "finish_reason": self.finish_reason, "logprobs": None}
+                    "logprobs": self._logprobs(0), "finish_reason": self.finish_reason}
+        return {"index": self.index, "text": self.text, "finish_reason": self.finish_reason,
+                "logprobs": self._logprobs(0)}
+
+    # --8<-- [start:logprobs]
+    def _logprobs(self, start: int) -> dict | None:
+        """The log-probabilities of the tokens from ``start`` on, in OpenAI's shape: a chat's list of tokens, each
+        with its k likeliest; a completion's parallel lists (the legacy shape lm-eval reads)."""
+        if self.job.params.logprobs is None:
+            return None
+        texts, tokens = self.token_texts, self.logprobs[start:]
+        if self.job.chat:
+            def entry(token: int, logprob: Any) -> dict:
+                return {"token": texts[token], "logprob": logprob.logprob, "bytes": list(texts[token].encode())}
+
+            likeliest = self.job.params.logprobs
+            return {"content": [{**entry(token, found[token]), "top_logprobs": [
+                entry(other, logprob) for other, logprob in sorted(found.items(), key=lambda item: item[1].rank)
+                if logprob.rank <= likeliest]} for token, found in tokens]}
+        strings = [texts[token] for token, _ in tokens]
+        before = sum(len(texts[token]) for token, _ in self.logprobs[:start])
+        return {"tokens": strings, "token_logprobs": [found[token].logprob for token, found in tokens],
+                "top_logprobs": [{texts[other]: p.logprob for other, p in found.items()} for _, found in tokens],
+                "text_offset": list(accumulate((len(text) for text in strings), initial=before))[:-1]}
+    # --8<-- [end:logprobs]
 
     def _envelope(self, kind: str, choice: dict | None) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,

@@ -40,6 +40,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
     """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops."""
     sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
     engine_loop = EngineLoop(llm, max_requests)
+    token_texts = llm.tokenizer.batch_decode([[token] for token in range(len(llm.tokenizer))])  # for log-probabilities
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,7 +65,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
         except Exception as err:
             release()  # the prompts of a batch taken before one was refused
             return refusal(err)
-        answers = [Answer(job, streams[0].request_id, model_name, index) for index in range(len(streams))]
+        answers = [Answer(job, streams[0].request_id, model_name, index, token_texts) for index in range(len(streams))]
         if job.stream:
             return ReleasingStreamingResponse(events(streams, answers), release, media_type="text/event-stream")
         collect = asyncio.ensure_future(collect_answers(streams, answers))

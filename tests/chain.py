@@ -30,16 +30,29 @@ def mixed_workload(num_requests: int, seed: int, max_prompt: int, max_output: in
             settings.update(temperature=1.0, top_p=0.9)
         else:
             settings.update(temperature=0.7, top_k=40)
+        # Penalties, on sampled and greedy requests alike (i % 4 is 2 or 0). The tiny random model never repeats
+        # itself, so they pull it towards what it has seen (below 1), and then count every repeat.
+        if i % 6 == 2:
+            settings.update(repetition_penalty=0.1)
+        elif i % 6 == 5:
+            settings.update(repetition_penalty=0.1, presence_penalty=-1.0, frequency_penalty=2.0)
+        if i % 3 == 1:  # log-probabilities: 0 (the chosen token's alone) to 6 of the likeliest
+            settings.update(logprobs=i % 7)
         params.append(settings)
     return prompts, params
 
 
 class Completion(NamedTuple):
-    """What the chain compares of one request: its tokens, why it stopped, its text."""
+    """What the chain compares of one request: its tokens, why it stopped, its text, its log-probabilities."""
 
     token_ids: list[int]
     finish_reason: str
     text: str
+    logprobs: list[dict] | None = None  # {token id: Logprob} per output token, if the request asked
+
+
+# Log-probabilities come from logits that another batch shape sums in another order: equal to this much, not exactly.
+LOGPROB_ATOL = 1e-4
 
 
 def run(mod, llm, prompts, settings) -> list[Completion]:
@@ -90,17 +103,24 @@ def run(mod, llm, prompts, settings) -> list[Completion]:
             scheduler.schedule = schedule
         else:
             del scheduler.schedule
-    return [Completion(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+    return completions(outs)
+
+
+def completions(outs) -> list[Completion]:
+    """What the chain compares of each request's output."""
+    return [Completion(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.outputs[0].logprobs)
+            for o in outs]
 
 
 def assert_same_outputs(ours: list[Completion], reference: list[Completion], settings=None) -> None:
     """Fail with the first request that differs: at which token, what the reference gave and what we gave."""
     assert len(ours) == len(reference), f"{len(ours)} outputs for {len(reference)} requests"
     for index, (got, want) in enumerate(zip(ours, reference)):
-        if got == want:
-            continue
         got, want = Completion(*got), Completion(*want)
         where = f"request {index}" + (f" (sampling {settings[index]})" if settings is not None else "")
+        if got[:3] == want[:3]:
+            assert_same_logprobs(got.logprobs, want.logprobs, where)
+            continue
         agree = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b), None)
         if agree is not None:
             raise AssertionError(f"{where}: output token {agree} differs: the reference gave {want.token_ids[agree]}, "
@@ -111,3 +131,25 @@ def assert_same_outputs(ours: list[Completion], reference: list[Completion], set
                 f"engine after {len(got.token_ids)} ({got.finish_reason!r}); the tokens both have agree")
         raise AssertionError(f"{where}: same tokens, but the reference gave finish_reason={want.finish_reason!r}, "
                              f"text={want.text!r:.60}; this engine {got.finish_reason!r}, {got.text!r:.60}")
+
+
+def assert_same_logprobs(got: list[dict] | None, want: list[dict] | None, where: str) -> None:
+    """The same tokens with the same ranks, their log-probabilities within LOGPROB_ATOL; the last of the likeliest may
+    differ only where it ties, within that tolerance, with the token it displaced."""
+    assert (got is None) == (want is None), f"{where}: log-probabilities given by one engine only"
+    for position, (ours, theirs) in enumerate(zip(got or [], want or [])):
+        at = f"{where}, output token {position}"
+        chosen = next(iter(theirs))
+        assert next(iter(ours)) == chosen, f"{at}: the chosen token is not the first entry"
+        for token in ours.keys() & theirs.keys():
+            a, b = ours[token], theirs[token]
+            assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, (
+                f"{at}: token {token}'s log-probability is {a.logprob:.6f}, the reference's {b.logprob:.6f}: "
+                f"{abs(a.logprob - b.logprob):.2e} apart, more than {LOGPROB_ATOL}")
+            assert a.rank == b.rank, f"{at}: token {token} ranks {a.rank}, {b.rank} in the reference"
+        lowest = min(entry.logprob for entry in theirs.values())
+        for token in ours.keys() ^ theirs.keys():
+            entry = ours.get(token) or theirs[token]
+            assert abs(entry.logprob - lowest) <= LOGPROB_ATOL, (
+                f"{at}: token {token} ({entry.logprob:.6f}) is among the likeliest in one engine only, and no tie "
+                f"explains it (the reference's last is {lowest:.6f})")

@@ -47,6 +47,20 @@ CATALOGUE = (
         "top-p also drops the token whose probability carries the mass past p",
     ),
     Mutation(
+        "m1-repetition-ignores-prompt", "milestones/m1/sampler.py",
+        "                seen[to_device(seqs[i].prompt_token_ids, torch.long, self.device)] = True\n",
+        "",
+        ("tests/m1/test_penalties.py::test_each_penalty_on_hand_made_logits",),
+        "the repetition penalty counts only the generated tokens, not the prompt's",
+    ),
+    Mutation(
+        "m1-logprobs-after-penalties", "milestones/m1/sampler.py",
+        "logprobs = self.logprobs(model_logits, seqs, token_ids)",
+        "logprobs = self.logprobs(logits, seqs, token_ids)",
+        ("tests/m1/test_logprobs.py::test_penalties_and_temperature_leave_the_logprobs_alone",),
+        "log-probabilities reported from the penalized logits instead of the model's own",
+    ),
+    Mutation(
         "m2-budget-ignored", "milestones/m2/scheduler.py",
         "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
         "        num_new = seq.num_tokens - seq.num_computed_tokens\n",
@@ -284,6 +298,20 @@ CATALOGUE = (
         "        self._fill(self.positions, size, inputs.positions + [0] * pad)\n", "",
         ("tests/m5/test_vs_m4.py::test_m5_matches_m4_on_a_mixed_workload",),
         "a replay reads the positions its static buffer held at capture, not this step's",
+    ),
+    Mutation(
+        "m6-penalty-history-unresolved", "milestones/m6/sampler.py",
+        "            self.future_map.resolve_(output)  # m6:",
+        "            # m6:",
+        ("tests/m6/test_vs_m5.py::test_m6_matches_m5_on_a_mixed_workload",),
+        "a penalty counts the future id the host wrote for the token still on the device",
+    ),
+    Mutation(
+        "m6-penalty-history-known-only", "milestones/m6/step.py",
+        "output = tuple(seq.token_ids[seq.num_prompt_tokens :]) if seq.params.has_penalties else ()",
+        "output = tuple(seq.output_token_ids) if seq.params.has_penalties else ()",
+        ("tests/m6/test_sampling_row.py",),
+        "a penalty's history leaves out the token the previous step is still computing",
     ),
     Mutation(
         "m6-future-off-by-one", "milestones/m6/future_map.py",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -111,9 +112,9 @@ def test_models_and_health(served, request):
     (b'{"prompt": "hi", "temperature": -1}', "temperature"),
     (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
     (b'{"prompt": "hi", "top_p": 2}', "top_p"),
-    (b'{"prompt": "hi", "logprobs": 3}', "logprobs 3 is not supported by this server: send false"),
+    (b'{"prompt": "hi", "logprobs": 30}', "logprobs must be None or in [0, 20]"),
     (b'{"prompt": "hi", "n": 2}', "n 2 is not supported by this server: send 1"),
-    (b'{"prompt": "hi", "frequency_penalty": 0.5}', "frequency_penalty 0.5 is not supported"),
+    (b'{"prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty must be in [-2, 2]"),
     (b'{"prompt": "hi", "echo": true}', "echo true is not supported by this server: send false"),
     (b'{"prompt": "hi", "logit_bias": {"5": 1}}', "logit_bias"),
     (b'{"prompt": "hi", "guided_json": {}}', "unsupported parameter(s) guided_json"),
@@ -141,6 +142,54 @@ def test_null_parameters_mean_the_defaults(served):
     body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "top_p": None, "seed": None, "stop": None}
     response = httpx.post(f"{url}/v1/completions", json=body)
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == texts[0].text
+
+
+def test_penalties_reach_the_engine(tiny_model_path):
+    """OpenAI's presence and frequency penalties and vLLM's repetition penalty give what LLM.generate gives."""
+    mod = importlib.import_module("milestones.m4")
+    llm = mod.LLM(tiny_model_path, **LIMITS)
+    # The tiny random model never repeats itself: penalties below 0 (and 1) that pull it back to the prompt show.
+    penalties = dict(presence_penalty=-2, frequency_penalty=1, repetition_penalty=0.05)
+    plain, penalized = (llm.generate(PROMPTS[1], mod.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **p),
+                                     use_tqdm=False)[0].outputs[0].text for p in ({}, penalties))
+    assert plain != penalized, "the penalties change nothing here: this test would pass without them"
+    with serving(llm) as (url, _):
+        answer = client(url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                                presence_penalty=-2, frequency_penalty=1,
+                                                extra_body={"ignore_eos": True, "repetition_penalty": 0.05})
+    assert answer.choices[0].text == penalized
+
+
+def test_logprobs_in_openais_shapes_whole_and_streamed(tiny_model_path):
+    """A completion's legacy lists (what lm-eval reads) and a chat's tokens with their top_logprobs carry the engine's
+    own log-probabilities (within 1e-4: the server may batch the request with others), streamed or whole."""
+    mod = importlib.import_module("milestones.m4")
+    llm = mod.LLM(tiny_model_path, **LIMITS)
+    expected = llm.generate(PROMPTS[0], mod.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2),
+                            use_tqdm=False)[0].outputs[0]
+    texts = [llm.tokenizer.decode([token]) for token in expected.token_ids]
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    with serving(llm) as (url, _):
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+        chunks = [json.loads(line[6:]) for line in httpx.post(f"{url}/v1/completions", json={**body, "stream": True},
+                                                                timeout=120).text.splitlines()
+                  if line.startswith("data: {")]
+        chat = client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                   "top_logprobs": 2})
+    assert whole["tokens"] == texts
+    for position, (token, entries) in enumerate(zip(expected.token_ids, expected.logprobs)):
+        assert abs(whole["token_logprobs"][position] - entries[token].logprob) <= 1e-4, position
+        assert len(whole["top_logprobs"][position]) == len({texts[position], *whole["top_logprobs"][position]})
+    assert whole["text_offset"] == [sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+    streamed = [chunk["choices"][0]["logprobs"] for chunk in chunks if chunk["choices"]]
+    assert sum((part["tokens"] for part in streamed), []) == whole["tokens"]
+    assert sum((part["text_offset"] for part in streamed), []) == whole["text_offset"]
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(item.top_logprobs) == 3 for item in content)
+    assert all(item.top_logprobs[0].logprob >= item.logprob for item in content)  # greedy: the chosen is the likeliest
+    assert refused.status_code == 400 and "top_logprobs needs logprobs: true" in refused.json()["error"]["message"]
 
 
 def test_bad_chat_messages_get_400(served):

@@ -16,7 +16,7 @@ from .attention import AttentionContext
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
-from .step import ModelInputs, ScheduledBatch
+from .step import ModelInputs, SampledToken, ScheduledBatch
 
 
 class ModelRunner:
@@ -48,7 +48,7 @@ class ModelRunner:
 
     # --8<-- [start:execute]
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Compute the batch's new tokens in one forward pass and sample one token per sequence."""
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 
 if TYPE_CHECKING:  # only for type hints
     import torch
@@ -38,3 +38,11 @@ class ModelInputs:
     sample_rows: list[int]  # rows whose output predicts a sequence's next token
     sample_seqs: list[Sequence]  # the sequence of each of those rows
 # --8<-- [end:model_inputs]
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One row's pick, with its log-probabilities when its request asked for them (``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprobs: dict[int, Logprob] | None = None  # the chosen token's first, then the likeliest ones'

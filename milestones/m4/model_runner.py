@@ -18,7 +18,7 @@ from .attention import AttentionContext, KernelBatch, RequestSpan
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
-from .step import ModelInputs, ScheduledBatch
+from .step import ModelInputs, SampledToken, ScheduledBatch
 
 
 class ModelRunner:
@@ -62,7 +62,7 @@ class ModelRunner:
 
     # --8<-- [start:execute]
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)

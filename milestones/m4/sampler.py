@@ -1,11 +1,13 @@
 """Pick the next token of every row, each row by its own request's rules.
 
-Greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k
-and top-p, then draw with the *exponential race*: ``argmax(probs / E)`` with
-``E ~ Exponential(1)`` picks index i with probability ``probs[i]``. The noise for
-a request's n-th token is seeded by (its seed, n) alone: a seeded request draws the
-same numbers whatever else shares its batch, and a step that fails, or a request
-that is preempted and recomputed, leaves no random state half-advanced.
+Penalties come first, on greedy and sampled rows alike: they change the logits,
+not the way of picking. Greedy rows take the argmax. Sampled rows scale by
+temperature, cut to top-k and top-p, then draw with the *exponential race*:
+``argmax(probs / E)`` with ``E ~ Exponential(1)`` picks index i with probability
+``probs[i]``. The noise for a request's n-th token is seeded by (its seed, n) alone:
+a seeded request draws the same numbers whatever else shares its batch, and a step
+that fails, or a request that is preempted and recomputed, leaves no random state
+half-advanced.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from milestones.transfer import to_device
 
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
+from .step import SampledToken
 
 
 class Sampler:
@@ -23,8 +26,9 @@ class Sampler:
         self.generator = torch.Generator(device=device)  # re-seeded for every row it draws
 
     # --8<-- [start:sample]
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: [len(seqs), vocab] in fp32, one row per sequence."""
+        model_logits, logits = logits, self.apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
@@ -34,8 +38,54 @@ class Sampler:
             probs = self.filtered_probs(logits[index] / temperature[:, None], sampled)
             noise = torch.stack([self.exponential_noise(s, probs.shape[-1]) for s in sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
-        return tokens.tolist()
+        token_ids = tokens.tolist()
+        logprobs = self.logprobs(model_logits, seqs, token_ids)
+        return [SampledToken(token, found) for token, found in zip(token_ids, logprobs)]
     # --8<-- [end:sample]
+
+    # --8<-- [start:logprobs]
+    def logprobs(self, logits: torch.Tensor, seqs: list[Sequence],
+                 tokens: list[int]) -> list[dict[int, Logprob] | None]:
+        """For each row whose request asks (``params.logprobs`` = k): the chosen token's log-probability and the k
+        likeliest tokens', each with its rank. From the model's own logits (vLLM's default): before penalties and
+        temperature, they say what the model thinks, whatever rule then picked the token."""
+        found: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return found
+        logprobs = logits[to_device(rows, torch.long, self.device)].log_softmax(dim=-1)
+        chosen = logprobs.gather(-1, to_device([tokens[i] for i in rows], torch.long, self.device)[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1  # 1 + how many tokens are likelier than the chosen one
+        top = logprobs.topk(max(seqs[i].params.logprobs for i in rows), dim=-1)
+        columns = zip(rows, chosen[:, 0].tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist())
+        for i, value, rank, top_ids, top_values in columns:
+            k = seqs[i].params.logprobs
+            found[i] = {tokens[i]: Logprob(value, rank)}
+            for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
+                found[i].setdefault(top_id, Logprob(top_value, place))
+        return found
+    # --8<-- [end:logprobs]
+
+    # --8<-- [start:penalties]
+    def apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """vLLM's order: the repetition penalty on every token of the prompt and the output, then the frequency and
+        presence penalties on the output's tokens. Rows without penalties are returned as they are."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()  # the caller's logits stay the model's own
+        vocab = logits.shape[-1]
+        for i in rows:
+            params, row = seqs[i].params, logits[i]
+            counts = to_device(seqs[i].output_token_ids, torch.long, self.device).bincount(minlength=vocab)
+            if params.repetition_penalty != 1:
+                seen = counts > 0
+                seen[to_device(seqs[i].prompt_token_ids, torch.long, self.device)] = True
+                penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        return logits
+    # --8<-- [end:penalties]
 
     # --8<-- [start:filtered_probs]
     def filtered_probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -44,6 +44,14 @@ class RequestMetrics:
         return (self.num_output_tokens - 1) / (self.last_token_time - self.first_token_time)
 
 
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """A token's log-probability under the model, before penalties and temperature, and its rank (1: the likeliest)."""
+
+    logprob: float
+    rank: int
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -58,6 +66,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # one per output token, if asked for
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

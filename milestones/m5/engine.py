@@ -111,11 +111,13 @@ class LLMEngine:
         new_tokens = self.runner.execute(batch)
         self.num_steps += 1
         outputs = []
-        for seq, num_new, token in zip(batch.seqs, batch.num_new_tokens, new_tokens):
+        for seq, num_new, sampled in zip(batch.seqs, batch.num_new_tokens, new_tokens):
             seq.num_computed_tokens += num_new
-            if token is None:  # part of a prompt that is still being prefilled
+            if sampled is None:  # part of a prompt that is still being prefilled
                 continue
-            self._append_token(seq, token)
+            if sampled.logprobs is not None:
+                seq.output_logprobs.append(sampled.logprobs)
+            self._append_token(seq, sampled.token_id)
             if seq.is_finished:
                 self.scheduler.finish(seq)
             outputs.append(RequestOutput.from_sequence(seq))

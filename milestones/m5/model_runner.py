@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
-from .step import DecodeInputs, ModelInputs, ScheduledBatch
+from .step import DecodeInputs, ModelInputs, SampledToken, ScheduledBatch
 
 
 class ModelRunner:
@@ -85,7 +85,7 @@ class ModelRunner:
 
     # --8<-- [start:execute]
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken | None]:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
             hidden = self.graph_runner.run(self.decode_inputs(batch))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sequence import RequestMetrics, Sequence
+from .sequence import Logprob, RequestMetrics, Sequence
 
 
 @dataclass(slots=True)
@@ -13,6 +13,7 @@ class CompletionOutput:
     text: str  # everything generated so far, minus any stop string
     token_ids: list[int]
     finish_reason: str | None  # None while running, then "stop", "length" or "abort"
+    logprobs: list[dict[int, Logprob]] | None = None  # one per token of token_ids, if the request asked for them
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class RequestOutput:
             text=seq.detokenizer.visible_text(seq.is_finished),
             token_ids=seq.output_token_ids,
             finish_reason=seq.finish_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         )
         return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics,
                    seq.num_cached_tokens)

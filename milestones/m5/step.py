@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 
 if TYPE_CHECKING:  # only for type hints
     import torch
@@ -49,3 +49,11 @@ class DecodeInputs:
     slots: list[int]  # block * block_size + offset where each token's key and value are written
     block_tables: list[list[int]]
     context_lens: list[int]  # tokens each request attends to, the new one included
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One row's pick, with its log-probabilities when its request asked for them (``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprobs: dict[int, Logprob] | None = None  # the chosen token's first, then the likeliest ones'

@@ -152,7 +152,7 @@ class LLMEngine:
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Put a computed step's tokens in place, apply the stop rules, finish requests; their outputs."""
         try:
-            tokens = self.worker.result(launched.number)
+            samples = self.worker.result(launched.number)
         except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
             self._roll_back(launched)
             raise
@@ -162,10 +162,12 @@ class LLMEngine:
             if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since: the blocks are still its own
                 seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
         outputs = []
-        for seq, index, token in zip(launched.sample_seqs, launched.token_indices, tokens):
+        for seq, index, sampled in zip(launched.sample_seqs, launched.token_indices, samples):
             if seq.is_finished:  # it finished (or was aborted) while this step computed: the token is dropped
                 continue
-            self._accept_token(seq, index, token)
+            if sampled.logprobs is not None:
+                seq.output_logprobs.append(sampled.logprobs)
+            self._accept_token(seq, index, sampled.token_id)
             if seq.is_finished:
                 self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)

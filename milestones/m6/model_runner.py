@@ -30,7 +30,7 @@ from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
-from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs
+from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs, StepSamples
 
 
 class ModelRunner:
@@ -59,8 +59,8 @@ class ModelRunner:
                  model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self.sampler = Sampler(config.device)
         self.future_map = FutureMap(2 * config.max_num_seqs, config.device)
+        self.sampler = Sampler(config.device, self.future_map)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
@@ -105,7 +105,7 @@ class ModelRunner:
                           self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor:
+    def execute(self, step: StepInputs) -> StepSamples:
         """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device."""
         if isinstance(step.forward, DecodeInputs):
             hidden = self.graph_runner.run(step.forward, self.future_map)
@@ -115,10 +115,11 @@ class ModelRunner:
             rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
             hidden = self.model(input_ids, positions, ctx)[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        tokens = self.sampler(self.compute_logits(hidden), step.samples)
+            return StepSamples(torch.empty(0, dtype=torch.long, device=self.device), [])
+        logits = self.compute_logits(hidden)
+        tokens = self.sampler(logits, step.samples)
         self.future_map.store(step.future_ids, tokens)
-        return tokens
+        return StepSamples(tokens, self.sampler.logprobs(logits, step.samples, tokens))
     # --8<-- [end:execute]
 
     # --8<-- [start:prepare_inputs]

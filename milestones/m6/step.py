@@ -7,10 +7,10 @@ own inputs (``AttentionContext``, ``RequestSpan``) stay with attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 
 if TYPE_CHECKING:  # only for type hints
     import torch
@@ -63,10 +63,14 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
+    prompt_token_ids: list[int]  # penalties read these two: the prompt's tokens, never changed after arrival,
+    output_token_ids: tuple[int, ...] = ()  # and a copy of the output's (with penalties only), maybe ending in a future
 
     @classmethod
     def of(cls, seq: Sequence) -> SamplingRow:
-        return cls(seq.params, seq.seed, seq.num_tokens)
+        # the output so far, the token still on the device included (its future id): not seq.output_token_ids
+        output = tuple(seq.token_ids[seq.num_prompt_tokens :]) if seq.params.has_penalties else ()
+        return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output)
 
 
 @dataclass(slots=True)
@@ -96,10 +100,27 @@ class LaunchedStep:
 
 
 @dataclass(slots=True)
+class StepSamples:
+    """What a step sampled: its tokens, left on the device, and the log-probabilities of the rows that asked."""
+
+    tokens: torch.Tensor
+    logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One row's pick, with its log-probabilities when its request asked for them (``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprobs: dict[int, Logprob] | None = None  # the chosen token's first, then the likeliest ones'
+
+
+@dataclass(slots=True)
 class StepResult:
     """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
 
     step_number: int
     tokens: torch.Tensor | None = None
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per token, for rows that asked
     ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
     error: BaseException | None = None

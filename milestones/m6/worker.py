@@ -22,7 +22,7 @@ import torch
 
 from milestones.trace import Tracer
 
-from .step import StepResult
+from .step import SampledToken, StepResult
 
 if TYPE_CHECKING:  # only for type hints
     from .model_runner import ModelRunner
@@ -58,7 +58,7 @@ class ForwardWorker:
         else:
             self.inbox.put((step_number, inputs))
 
-    def result(self, step_number: int) -> list[int]:
+    def result(self, step_number: int) -> list[SampledToken]:
         """Step ``step_number``'s sampled tokens (waits for them), or its exception, re-raised.
 
         Results of older steps are thrown away: steps the host rolled back, or one whose wait was interrupted
@@ -70,7 +70,7 @@ class ForwardWorker:
             raise result.error  # with the worker's traceback
         if result.ready is not None:
             result.ready.synchronize()
-        return result.tokens.tolist()
+        return [SampledToken(token, found) for token, found in zip(result.tokens.tolist(), result.logprobs)]
 
     def _next_result(self) -> StepResult:
         while True:
@@ -91,8 +91,9 @@ class ForwardWorker:
         start = self.tracer.now()
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                tokens = self.runner.execute(inputs)
-                result = StepResult(step_number, tokens)
+                sampled = self.runner.execute(inputs)
+                tokens = sampled.tokens
+                result = StepResult(step_number, tokens, sampled.logprobs)
                 if self.stream is not None:  # copy without waiting; the host waits on the event when it needs them
                     result.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                     result.tokens.copy_(tokens, non_blocking=True)

@@ -35,7 +35,12 @@ class DraftView:
     num_computed_tokens: int
     params: SamplingParams
     seed: int
+    prompt_token_ids: list[int]  # the penalties' history starts after these, as the target's does
     draft_token_ids: list[int] = field(default_factory=list)  # always empty: the draft checks no guesses of its own
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 # --8<-- [start:draft_model]
@@ -62,14 +67,15 @@ class DraftModelProposer:
     def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
         """Up to ``rooms[i]`` guesses for request i, whose block table ``tables[i]`` has the slots for them."""
         # The draft computes what it has not seen: at least the last token, sampled after its previous guesses.
-        views = [DraftView(list(seq.token_ids), seq.num_drafted_tokens, seq.params, seq.seed) for seq in seqs]
+        views = [DraftView(list(seq.token_ids), seq.num_drafted_tokens, replace(seq.params, logprobs=None), seq.seed,
+                           seq.prompt_token_ids) for seq in seqs]  # a guess's log-probabilities are nobody's
         guesses: list[list[int]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while active:  # k forward passes: everyone's catch-up and first guess, then a guess each
             batch = ScheduledBatch([views[i] for i in active],
                                    [len(views[i].token_ids) - views[i].num_computed_tokens for i in active],
                                    [tables[i] for i in active])
-            tokens = self.runner.execute(self.runner.prepare(batch)).tolist()
+            tokens = self.runner.execute(self.runner.prepare(batch)).tokens.tolist()
             for i, token in zip(active, tokens):
                 views[i].num_computed_tokens = len(views[i].token_ids)
                 views[i].token_ids.append(token)

@@ -157,7 +157,7 @@ class LLMEngine:
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Put a computed step's tokens in place, apply the stop rules, finish requests; their outputs."""
         try:
-            tokens = self.worker.result(launched.number)
+            samples = self.worker.result(launched.number)
         except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
             self._roll_back(launched)
             raise
@@ -167,15 +167,18 @@ class LLMEngine:
             if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since: the blocks are still its own
                 seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
         changed: dict[str, Sequence] = {}
-        for seq, index, token, guess in zip(launched.sample_seqs, launched.token_indices, tokens, launched.guesses):
+        for seq, index, sampled, guess in zip(launched.sample_seqs, launched.token_indices, samples,
+                                              launched.guesses):
             if seq.is_finished or index >= seq.num_tokens:  # finished meanwhile, or (m7) past a rejected guess
                 continue
-            self._accept_token(seq, index, token)
+            if sampled.logprobs is not None:
+                seq.output_logprobs.append(sampled.logprobs)
+            self._accept_token(seq, index, sampled.token_id)
             if seq.is_finished:
                 self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)
             elif guess is not None:
-                self._check_guess(seq, token, guess)
+                self._check_guess(seq, sampled.token_id, guess)
             changed[seq.request_id] = seq
         self.tracer.record("process", start, launched.number, len(launched.seqs))
         return [RequestOutput.from_sequence(seq) for seq in changed.values()]

@@ -31,7 +31,7 @@ from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
 from .sequence import Sequence
-from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs
+from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs, StepSamples
 
 
 class ModelRunner:
@@ -60,10 +60,10 @@ class ModelRunner:
                  model_config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self.sampler = Sampler(config.device)
         speculative = config.speculative_config  # m7: a request samples after its last token and after each guess
         rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
         self.future_map = FutureMap(2 * config.max_num_seqs * rows_per_seq, config.device)
+        self.sampler = Sampler(config.device, self.future_map)
         self.rejection = speculative is not None and speculative.acceptance == "rejection"  # m7: how guesses are judged
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
@@ -112,7 +112,7 @@ class ModelRunner:
                           self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor:
+    def execute(self, step: StepInputs) -> StepSamples:
         """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device."""
         if isinstance(step.forward, DecodeInputs):
             hidden = self.graph_runner.run(step.forward, self.future_map)
@@ -122,10 +122,11 @@ class ModelRunner:
             rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
             hidden = self.model(input_ids, positions, ctx)[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
-            return torch.empty(0, dtype=torch.long, device=self.device)
-        tokens = self.sampler(self.compute_logits(hidden), step.samples)
+            return StepSamples(torch.empty(0, dtype=torch.long, device=self.device), [])
+        logits = self.compute_logits(hidden)
+        tokens = self.sampler(logits, step.samples)
         self.future_map.store(step.future_ids, tokens)
-        return tokens
+        return StepSamples(tokens, self.sampler.logprobs(logits, step.samples, tokens))
     # --8<-- [end:execute]
 
     # --8<-- [start:prepare_inputs]

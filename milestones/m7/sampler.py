@@ -1,11 +1,13 @@
 """Pick the next token of every row, each row by its own request's rules.
 
-Greedy rows take the argmax. Sampled rows scale by temperature, cut to top-k
-and top-p, then draw with the *exponential race*: ``argmax(probs / E)`` with
-``E ~ Exponential(1)`` picks index i with probability ``probs[i]``. The noise for
-a request's n-th token is seeded by (its seed, n) alone: a seeded request draws the
-same numbers whatever else shares its batch, and a step that fails, or a request
-that is preempted and recomputed, leaves no random state half-advanced.
+Penalties come first, on greedy and sampled rows alike: they change the logits,
+not the way of picking. Greedy rows take the argmax. Sampled rows scale by
+temperature, cut to top-k and top-p, then draw with the *exponential race*:
+``argmax(probs / E)`` with ``E ~ Exponential(1)`` picks index i with probability
+``probs[i]``. The noise for a request's n-th token is seeded by (its seed, n) alone:
+a seeded request draws the same numbers whatever else shares its batch, and a step
+that fails, or a request that is preempted and recomputed, leaves no random state
+half-advanced.
 """
 
 from __future__ import annotations
@@ -14,17 +16,21 @@ import torch
 
 from milestones.transfer import to_device
 
+from .future_map import FutureMap
+from .sequence import Logprob
 from .step import SamplingRow
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, future_map: FutureMap) -> None:
         self.device = device
+        self.future_map = future_map  # m6: resolves the future ids a penalty's history may end with
         self.generator = torch.Generator(device=device)  # re-seeded for every row it draws
 
     # --8<-- [start:sample]
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         """logits: [len(seqs), vocab] in fp32, one row per sequence; the tokens stay on the device."""
+        logits = self.apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
@@ -52,6 +58,56 @@ class Sampler:
         guesses = to_device([row.guess for row in rows], torch.long, self.device)
         return rejection_sample(probs, guesses, torch.stack(uniforms), torch.stack(noise))
     # --8<-- [end:judge_guesses]
+
+    # --8<-- [start:penalties]
+    def apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+        """vLLM's order: the repetition penalty on every token of the prompt and the output, then the frequency and
+        presence penalties on the output's tokens. Rows without penalties are returned as they are."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()  # the caller's logits stay the model's own
+        vocab = logits.shape[-1]
+        for i in rows:
+            params, row = seqs[i].params, logits[i]
+            output = to_device(seqs[i].output_token_ids, torch.long, self.device)
+            self.future_map.resolve_(output)  # m6: the last token may still be a future id; the device has it
+            counts = output.bincount(minlength=vocab)
+            if params.repetition_penalty != 1:
+                seen = counts > 0
+                seen[to_device(seqs[i].prompt_token_ids, torch.long, self.device)] = True
+                penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+                row.copy_(torch.where(seen, penalized, row))
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        return logits
+    # --8<-- [end:penalties]
+
+    # --8<-- [start:logprobs]
+    def logprobs(self, logits: torch.Tensor, seqs: list[SamplingRow],
+                 tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
+        """For each row whose request asks (``params.logprobs`` = k): the chosen token's log-probability and the k
+        likeliest tokens', each with its rank. From the model's own logits (vLLM's default): before penalties and
+        temperature, they say what the model thinks, whatever rule then picked the token. m6: reading them waits for
+        the step on the worker (tokens alone stay on the device): only steps with a row that asks pay for it."""
+        found: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return found
+        index = to_device(rows, torch.long, self.device)
+        logprobs = logits[index].log_softmax(dim=-1)
+        chosen_ids = tokens[index]
+        chosen = logprobs.gather(-1, chosen_ids[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1  # 1 + how many tokens are likelier than the chosen one
+        top = logprobs.topk(max(seqs[i].params.logprobs for i in rows), dim=-1)
+        columns = zip(rows, chosen_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top.indices.tolist(),
+                      top.values.tolist())
+        for i, token, value, rank, top_ids, top_values in columns:
+            k = seqs[i].params.logprobs
+            found[i] = {token: Logprob(value, rank)}
+            for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
+                found[i].setdefault(top_id, Logprob(top_value, place))
+        return found
+    # --8<-- [end:logprobs]
 
     # --8<-- [start:filtered_probs]
     def filtered_probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:

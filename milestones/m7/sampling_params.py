@@ -8,6 +8,7 @@ from numbers import Integral, Real
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM: dividing logits by them overflows
 SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit random generator can be seeded with
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,6 +22,12 @@ class SamplingParams:
     * ``max_tokens=None`` generates until a stop or the model's context is full.
     * ``seed`` fixes the request's random numbers: the same seed gives the same
       tokens whatever else runs alongside it.
+    * ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2]) lower the
+      logit of every token generated so far: once, and once per time it occurred.
+      ``repetition_penalty`` (> 0; 1.0 is off) divides a positive logit of every token
+      of the prompt or the output by it, and multiplies a negative one.
+    * ``logprobs=k`` returns, for every generated token, its log-probability and the
+      k likeliest tokens' (0: the chosen token's alone), under the model's own logits.
 
     Frozen, so a request cannot be changed under the engine after it was checked:
     ``dataclasses.replace(params, top_k=50)`` makes a changed copy, checked again.
@@ -35,13 +42,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # any list or array of integers is accepted, and stored as a tuple
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalised values are stored with object.__setattr__, once, here.
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             _set(self, name, _as_real(name, getattr(self, name)))
         _set(self, "top_k", _as_int("top_k", self.top_k))
-        for name in ("max_tokens", "seed"):  # None is meaningful for these two
+        for name in ("max_tokens", "seed", "logprobs"):  # None is meaningful for these
             value = getattr(self, name)
             _set(self, name, None if value is None else _as_int(name, value))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -70,10 +81,22 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits, in [-2**63, 2**64), got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}] (how many of the likeliest tokens to "
+                             f"return besides the chosen one), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _set(params: SamplingParams, name: str, value: object) -> None:

@@ -7,10 +7,10 @@ own inputs (``AttentionContext``, ``RequestSpan``) stay with attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 
 if TYPE_CHECKING:  # only for type hints
     import torch
@@ -63,6 +63,8 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
+    prompt_token_ids: list[int]  # penalties read these two: the prompt's tokens, never changed after arrival,
+    output_token_ids: tuple[int, ...] = ()  # and a copy of the output's (with penalties only), maybe ending in a future
     guess: int | None = None  # m7, acceptance "rejection": the guess this row's pick decides on (None: pick freely)
 
     @classmethod
@@ -72,7 +74,10 @@ class SamplingRow:
         if rejection:  # m7: the guess that stands where this row's token goes, if any
             ahead = position + 1 - seq.num_tokens
             guess = seq.draft_token_ids[ahead] if 0 <= ahead < len(seq.draft_token_ids) else None
-        return cls(seq.params, seq.seed, position + 1, guess)
+        output = ()  # m7: a guess row's history holds the guesses before it, as if they were accepted
+        if seq.params.has_penalties:
+            output = tuple((seq.token_ids + seq.draft_token_ids)[seq.num_prompt_tokens : position + 1])
+        return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, guess)
 
 
 @dataclass(slots=True)
@@ -103,10 +108,27 @@ class LaunchedStep:
 
 
 @dataclass(slots=True)
+class StepSamples:
+    """What a step sampled: its tokens, left on the device, and the log-probabilities of the rows that asked."""
+
+    tokens: torch.Tensor
+    logprobs: list[dict[int, Logprob] | None]
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """One row's pick, with its log-probabilities when its request asked for them (``SamplingParams.logprobs``)."""
+
+    token_id: int
+    logprobs: dict[int, Logprob] | None = None  # the chosen token's first, then the likeliest ones'
+
+
+@dataclass(slots=True)
 class StepResult:
     """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
 
     step_number: int
     tokens: torch.Tensor | None = None
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per token, for rows that asked
     ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
     error: BaseException | None = None

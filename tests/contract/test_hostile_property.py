@@ -56,6 +56,10 @@ sampling_values = st.fixed_dictionaries(
         "stop_token_ids": st.one_of(st.lists(st.integers(-1, 300), max_size=2), st.just(5)),
         "ignore_eos": st.sampled_from([True, False, 1, "yes"]),
         "seed": st.one_of(st.none(), st.integers(-(2**64), 2**65)),
+        "presence_penalty": st.one_of(st.floats(-3, 3), st.sampled_from([float("nan"), float("inf"), True])),
+        "frequency_penalty": st.one_of(st.floats(-3, 3), st.sampled_from([float("nan"), "1"])),
+        "repetition_penalty": st.one_of(st.floats(-1, 3), st.sampled_from([0, float("nan"), True])),
+        "logprobs": st.one_of(st.none(), st.integers(-2, 25), st.sampled_from([True, 2.5])),
     },
 )
 request_ids = st.one_of(st.none(), st.sampled_from(["0", "1", "2", "mine", UNKNOWN_ID]))

@@ -18,6 +18,7 @@ from milestones.m1.detokenizer import IncrementalDetokenizer
 from milestones.m1.sampler import Sampler, noise_seed
 from milestones.m1.sampling_params import SamplingParams
 from milestones.m1.sequence import Sequence
+from milestones.m1.step import SampledToken
 
 from .closeness import EXACT, Tolerance, expect_close
 
@@ -95,8 +96,7 @@ def test_greedy_rows_take_the_argmax_whatever_their_noise(temperature):
     """Rows 0, 2, 4 are greedy among sampled rows, on flat logits where a draw would rarely pick the argmax."""
     logits = 0.1 * torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1))
     seqs = [seq(seed=row, temperature=temperature if row % 2 == 0 else 1.0) for row in range(6)]
-    tokens = Sampler(torch.device("cpu"))(logits, seqs)
-    assert isinstance(tokens, list) and len(tokens) == 6, f"the sampler must return a list of 6 ints, got {tokens!r}"
+    tokens = picks(Sampler(torch.device("cpu")), logits, seqs)
     for row in range(0, 6, 2):
         assert tokens[row] == int(logits[row].argmax()), (
             f"row {row} has temperature={temperature} (greedy: below SAMPLING_EPS, SamplingParams.greedy): it must "
@@ -108,7 +108,7 @@ def test_sampled_rows_race_their_probabilities_against_their_own_noise():
     """Each row's token is exactly argmax(probs / noise): its logits / temperature, filtered, raced with its noise."""
     logits = 2 * torch.randn(len(ROWS), VOCAB, generator=torch.Generator().manual_seed(2))
     seqs = [seq(seed=100 + row, prompt_len=3 + 4 * row, **params) for row, params in enumerate(ROWS)]
-    tokens = Sampler(torch.device("cpu"))(logits, seqs)
+    tokens = picks(Sampler(torch.device("cpu")), logits, seqs)
     for row, (params, s) in enumerate(zip(ROWS, seqs)):
         probs = transformers_probs(logits[row] / params["temperature"], params.get("top_k", -1),
                                    params.get("top_p", 1.0))
@@ -133,17 +133,26 @@ def test_the_noise_is_seeded_by_the_seed_and_the_position_alone(seed, position):
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
 
+def picks(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The sampler's token per row; it must return a SampledToken per row (the token and its log-probabilities)."""
+    sampled = sampler(logits, seqs)
+    assert isinstance(sampled, list) and len(sampled) == len(seqs) and all(
+        isinstance(pick, SampledToken) for pick in sampled), (
+        f"the sampler must return a list of {len(seqs)} SampledToken(token_id, logprobs), got {sampled!r:.200}")
+    return [pick.token_id for pick in sampled]
+
+
 def draw(n: int, **params) -> torch.Tensor:
     """n tokens of one sequence, each appended before the next is drawn (the noise depends on the position)."""
     sampler, s = Sampler(torch.device("cpu")), seq(**params)
     for _ in range(n):
-        s.token_ids.append(sampler(LOGITS, [s])[0])
+        s.token_ids.append(picks(sampler, LOGITS, [s])[0])
     return torch.tensor(s.output_token_ids)
 
 
 def test_greedy_takes_the_argmax_per_row():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 1.0]])
-    tokens = Sampler(torch.device("cpu"))(logits, [seq(temperature=0), seq(temperature=0)])
+    tokens = picks(Sampler(torch.device("cpu")), logits, [seq(temperature=0), seq(temperature=0)])
     assert tokens == [1, 0], f"greedy rows of {logits.tolist()} must give their argmax [1, 0], got {tokens}"
 
 
@@ -173,7 +182,7 @@ def test_seed_fixes_the_stream_and_rows_do_not_interact():
     assert not torch.equal(a, draw(50, seed=6)), "seeds 5 and 6 drew the same 50 tokens"
     sampler, s1, s2 = Sampler(torch.device("cpu")), seq(seed=5), seq(seed=9)
     for _ in range(50):
-        for s, token in zip([s1, s2], sampler(LOGITS.repeat(2, 1), [s1, s2])):
+        for s, token in zip([s1, s2], picks(sampler, LOGITS.repeat(2, 1), [s1, s2])):
             s.token_ids.append(token)
     assert s1.output_token_ids == a.tolist(), "seed 5 drew other tokens beside a request with seed 9 than alone"
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from milestones import m3, m4
-from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.chain import assert_same_outputs, completions, mixed_workload, run
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
 
@@ -55,7 +55,7 @@ def test_shared_system_prompt_is_computed_once(tiny_model_path, options):
     reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), prompts, settings)
     llm = m4.LLM(tiny_model_path, **LIMITS, **options)
     outs = llm.generate(prompts, [m4.SamplingParams(**s) for s in settings], use_tqdm=False)
-    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs] == reference
+    assert_same_outputs(completions(outs), reference)
     block = llm.engine.config.block_size
     # The first requests are admitted before anything is cached; the rest must hit the whole system prompt.
     hits = [o.num_cached_tokens for o in outs]
@@ -100,7 +100,7 @@ def test_trap_preempted_request_readmitted_with_a_cache_hit(tiny_model_path):
     reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), prompts, settings)
     llm = m4.LLM(tiny_model_path, **LIMITS, block_size=8, num_kv_blocks=16)
     outs = llm.generate(prompts, [m4.SamplingParams(**s) for s in settings], use_tqdm=False)
-    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs] == reference
+    assert_same_outputs(completions(outs), reference)
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
     checked(llm)

@@ -76,15 +76,15 @@ def check_buffers(buffers: dict, want: DecodeInputs, size: int) -> None:
         "input_ids": (want.token_ids + [0] * pad, "token 0"),
         "positions": (want.positions + [0] * pad, "position 0"),
         "slot_mapping": (want.slots + [SCRATCH * BLOCK_SIZE] * pad, f"the scratch slot {SCRATCH * BLOCK_SIZE}"),
-        "block_tables": (tables, "the scratch block in every entry"),
+        "block_tables": (tables, f"the scratch block {SCRATCH} in every entry (and a real row's entries past its "
+                                 "blocks hold it too, never an old number)"),
         "context_lens": (want.context_lens + [1] * pad, "context_len 1"),
     }
     for name, (values, padding) in expected.items():
         got = buffers[name].tolist()
         assert got == values, (
             f"the replay of bucket {size} read {name} = {got}, expected {values}: the real rows' values, then "
-            f"{pad} padding row(s) with {padding}; a real row's table entries past its blocks hold the scratch "
-            f"block {SCRATCH} (never an old number), and every row of the bucket is written each step"
+            f"{pad} padding row(s) with {padding}; every row of the bucket is written each step"
         )
 
 

@@ -47,7 +47,7 @@ def stepped(llm, prompts, settings):
                 assert out.request_id not in finished, f"request {out.request_id} finished twice"
                 finished[out.request_id] = out
         engine.check_integrity()
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.outputs[0].logprobs)
             for o in (finished[i] for i in ids)]
 
 
@@ -98,7 +98,7 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
     reference = run(m5, m5.LLM(tiny_model_path, **small_blocks), prompts, greedy)
     # Stop on a token, and on a string, taken from the middle of what each request generates.
     settings = []
-    for i, (tokens, _, text) in enumerate(reference):
+    for i, (tokens, _, text, _) in enumerate(reference):
         if i % 3 == 1:
             settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
         elif i % 3 == 2 and len(text) > 4:
@@ -107,13 +107,13 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
             settings.append(greedy[i])
     reference_llm = m5.LLM(tiny_model_path, **small_blocks)  # a fresh cache, to compare with m6's at the end
     reference = run(m5, reference_llm, prompts, settings)
-    assert {reason for _, reason, _ in reference} == {"stop", "length"}
+    assert {done.finish_reason for done in reference} == {"stop", "length"}
     with m6.LLM(tiny_model_path, async_scheduling=True, **small_blocks) as llm:
         ours = stepped(llm, prompts, settings)
         assert_same_outputs(ours, reference)
         # A finished request caches what m5 would: not the token its lag step was computing.
         assert llm.engine.kv_usage()["blocks_cached"] == reference_llm.engine.kv_usage()["blocks_cached"]
-        for (tokens, _, _), s in zip(ours, settings):
+        for (tokens, *_), s in zip(ours, settings):
             assert len(tokens) <= s["max_tokens"]
             stops = set(s.get("stop_token_ids", []))
             assert not stops & set(tokens[:-1]), "a token came after a stop token"
@@ -170,7 +170,7 @@ def test_abort_while_a_step_is_in_flight(tiny_model_path, mixed, mixed_reference
         for request_id, expected in zip(ids, mixed_reference):
             if request_id != victim:
                 out = finished[request_id].outputs[0]
-                assert (out.token_ids, out.finish_reason, out.text) == expected
+                assert_same_outputs([(out.token_ids, out.finish_reason, out.text, out.logprobs)], [expected])
         assert_all_blocks_returned(llm)
 
 
@@ -224,8 +224,8 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()
         assert failures == 1
-        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
-                for o in (finished[i] for i in ids)] == mixed_reference
+        assert_same_outputs([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
+                              o.outputs[0].logprobs) for o in (finished[i] for i in ids)], mixed_reference)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -276,8 +276,8 @@ def test_an_interrupted_wait_loses_no_step(tiny_model_path, mixed, mixed_referen
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()
         assert interruptions == 1
-        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
-                for o in (finished[i] for i in ids)] == mixed_reference
+        assert_same_outputs([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
+                              o.outputs[0].logprobs) for o in (finished[i] for i in ids)], mixed_reference)
 
 
 class InterruptedOnce:

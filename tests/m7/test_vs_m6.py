@@ -144,7 +144,7 @@ def test_every_stop_rule_inside_an_accepted_run(tiny_model_path):
     greedy = [dict(s, temperature=0, max_tokens=30, ignore_eos=True) for s in greedy]
     base = run(m6, m6.LLM(tiny_model_path, **LIMITS), prompts, greedy)
     settings = []
-    for i, (tokens, _, text) in enumerate(base):
+    for i, (tokens, _, text, _) in enumerate(base):
         if i % 3 == 1:
             settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
         elif i % 3 == 2 and len(text) > 4:
@@ -251,5 +251,5 @@ def test_a_failed_step_with_guesses_is_undone(tiny_model_path, workload, referen
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()  # no request holds blocks past its tokens after the undo
         assert failures == 1
-        assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text)
-                for o in (finished[i] for i in ids)] == [tuple(c) for c in reference]
+        assert_same_outputs([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
+                              o.outputs[0].logprobs) for o in (finished[i] for i in ids)], reference)

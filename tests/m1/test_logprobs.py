@@ -1,0 +1,106 @@
+"""Log-probabilities of generated tokens, against transformers' own logits on the same weights.
+
+vLLM's default (``raw_logprobs``): the log-softmax of the model's logits, before penalties and temperature, so a
+request's log-probabilities say what the model thinks whatever rule picked its tokens. transformers' ``generate``
+returns those raw logits (``output_logits=True``); both run float32 with the same operators (``linear_backend=
+"torch"``), so they agree within 1e-4 (m1's test of the logits themselves holds them to that).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from milestones.m1 import LLM, SamplingParams
+from milestones.m1.outputs import CompletionOutput
+from milestones.m1.sampler import Sampler
+from tests.m1.test_sampler import seq
+from tests.m1.test_vs_transformers import hf_generate, varied_prompts
+
+ATOL = 1e-4
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf, LLM(path, device="cpu", dtype="float32", max_model_len=512, linear_backend="torch")
+
+
+def check_against(completion: CompletionOutput, logits: torch.Tensor, k: int) -> None:
+    """Each position's entries are the chosen token's, then the k likeliest, as log_softmax(logits) gives them."""
+    assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+    for position, (token, entries) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        reference = logits[position].log_softmax(-1)
+        top = reference.topk(k)
+        expected = {token, *top.indices.tolist()}
+        assert next(iter(entries)) == token, f"token {position}: the chosen token {token} is not the first entry"
+        assert set(entries) == expected, f"token {position}: entries for {sorted(entries)}, expected {sorted(expected)}"
+        for token_id, entry in entries.items():
+            margin = abs(entry.logprob - reference[token_id].item())
+            assert margin <= ATOL, (f"token {position}: log-probability of {token_id} is {entry.logprob:.6f}, "
+                                    f"transformers' {reference[token_id].item():.6f} ({margin:.2e} > {ATOL})")
+            rank = int((reference > reference[token_id]).sum()) + 1
+            assert entry.rank == rank, f"token {position}: {token_id} ranks {entry.rank}, transformers' logits {rank}"
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_greedy_logprobs_match_transformers(models, k):
+    hf, llm = models
+    for prompt in varied_prompts(4):
+        params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=k)
+        ours = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        ref_tokens, ref_logits = hf_generate(hf, prompt, STEPS)
+        assert ours.token_ids[: len(ref_tokens)] == ref_tokens
+        check_against(ours, ref_logits, k)
+        assert all(entries[token].rank == 1 for token, entries in zip(ours.token_ids, ours.logprobs)), "greedy: rank 1"
+
+
+def test_sampled_and_penalized_tokens_get_the_models_own_logprobs(models):
+    """Temperature, top-k and penalties change which token is picked, never the log-probabilities reported."""
+    hf, llm = models
+    prompt = varied_prompts(4)[3]
+    params = SamplingParams(temperature=1.5, top_k=50, max_tokens=STEPS, ignore_eos=True, seed=7, logprobs=3,
+                            presence_penalty=1.0, repetition_penalty=1.2)
+    ours = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    with torch.inference_mode():  # the model's logits for the sampled continuation, in one forward
+        logits = hf(torch.tensor([prompt + ours.token_ids])).logits[0, len(prompt) - 1 : -1]
+    check_against(ours, logits, 3)
+
+
+def test_no_logprobs_unless_asked(models):
+    _, llm = models
+    out = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is None
+
+
+def test_the_chosen_tokens_rank_counts_the_likelier_tokens():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
+    sampler = Sampler(torch.device("cpu"))
+    found = sampler.logprobs(logits, [seq(logprobs=2), seq()], [2, 1])
+    assert found[1] is None, "a row that did not ask gets nothing"
+    assert list(found[0]) == [2, 1, 3], "the chosen token first, then the likeliest in order"
+    assert [entry.rank for entry in found[0].values()] == [3, 1, 2]
+    expected = logits[0].log_softmax(-1)
+    assert all(abs(entry.logprob - expected[token].item()) < 1e-6 for token, entry in found[0].items())
+
+
+def test_penalties_and_temperature_leave_the_logprobs_alone():
+    """The sampler reports log_softmax of the logits it was given, not of what penalties and temperature made them."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    asking = seq(prompt_len=1, temperature=0.5, repetition_penalty=3.0, presence_penalty=2.0, logprobs=3)
+    asking.token_ids += [2, 2]  # token 1 is the prompt's, token 2 was generated twice
+    (pick,) = Sampler(torch.device("cpu"))(logits, [asking])
+    expected = logits[0].log_softmax(-1)
+    for token, entry in pick.logprobs.items():
+        assert abs(entry.logprob - expected[token].item()) < 1e-6, (
+            f"token {token}: {entry.logprob:.6f} reported, the model's own log-probability is "
+            f"{expected[token].item():.6f}: log-probabilities come from the logits before penalties and temperature")
+
+
+@pytest.mark.parametrize("bad", [-1, 21])
+def test_logprobs_out_of_range_are_refused_with_the_range(bad):
+    with pytest.raises(ValueError, match=r"logprobs must be None or in \[0, 20\]"):
+        SamplingParams(logprobs=bad)
