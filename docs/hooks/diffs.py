@@ -8,6 +8,9 @@ Two marker lines are replaced, each on a line of its own:
     ``m2/scheduler.py`` and ``m3/scheduler.py``. A file that the older milestone does
     not have is shown as a new file, diffed against ``/dev/null``.
 
+    When the file holds functions of the newer milestone's exercise (``milestones/lessons.py``), the block is
+    folded in a collapsed ``??? example``: it shows their bodies, the answers.
+
 ``<!-- changed-files m3 -->``
     a bullet list of ``milestones.CHANGED_FILES["m3"]``, new files marked as such.
 
@@ -99,7 +102,24 @@ def diff_block(root: Path, old: str, new: str, name: str) -> str:
     if not diff:
         raise PluginError(f"{old}/{name} and {new}/{name} are identical: there is no diff to show")
     fence = "`" * max(3, 1 + max(len(run) for run in re.findall(r"`+", "\n".join(diff)) or [""]))
-    return "\n".join([f"{fence}diff", *diff, fence])
+    block = [f"{fence}diff", *diff, fence]
+    if name not in lesson_files(root, new):
+        return "\n".join(block)
+    # It holds the bodies a learner of this milestone writes: folded, like the chapter's listings of them.
+    title = f"The diff of {name} (the lesson's answers: open once you have written yours)"
+    return "\n".join([f'??? example "{title}"', "", *(f"    {line}" if line else "" for line in block)])
+
+
+def lesson_files(root: Path, milestone: str) -> set[str]:
+    """The files of the milestone's exercises, as milestones/lessons.py declares them (read, not imported)."""
+    path = root / "milestones" / "lessons.py"
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == milestone:
+                    return {call.args[0].value for call in ast.walk(value) if isinstance(call, ast.Call)
+                            and getattr(call.func, "id", None) == "Exercise" and isinstance(call.args[0], ast.Constant)}
+    return set()
 
 
 def changed_files_list(root: Path, milestone: str) -> str:
