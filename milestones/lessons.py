@@ -407,7 +407,7 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "`token_ids[start + n : start + n + num_tokens]`, which may be shorter. No match for any "
                        "n: []."),)),
         Step("guesses checked, the same tokens as m6",
-             ("tests/m7/test_guesses.py", "tests/m7/test_vs_m6.py", "-m", "not real_model"),
+             ("tests/m7/test_guesses.py", "tests/m7/test_vs_m6.py", "-m", "not real_model", "-k", "not replayed"),
              "a row's token counts only if every guess before it was the model's own pick; after a rejected one, "
              "drop the later rows' tokens, their KV (num_computed_tokens) and the blocks past the kept tokens, "
              "and halve the lookahead; a kept guess raises it by one, up to num_speculative_tokens",
