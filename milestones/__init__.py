@@ -18,9 +18,10 @@ CHANGED_FILES: dict[str, set[str]] = {
     # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py",
            "engine.py", "step.py"},
-    # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting
+    # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting,
+    # a request's n samples sharing its prompt
     "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py",
-           "outputs.py"},
+           "outputs.py", "parallel_sampling.py"},
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace

@@ -126,10 +126,13 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "each token in it. Return new logits (the caller's stay as they are), or the same tensor when "
                        "no row has penalties."),
               Exercise("sampler.py", "logprobs", ("Sampler.logprobs",),
-                       "for each row whose `seq.params.logprobs` is k (not None), a dict `{token: Logprob(logprob, "
-                       "rank)}` from log_softmax of the given logits: the chosen token first (rank: 1 + the number of "
-                       "likelier tokens), then the k likeliest in order (rank 1, 2, ...; the chosen one not twice); "
-                       "None for the other rows."),
+                       "for each row whose `seq.params.logprobs` is k (not None), what `ranked_logprobs` gives for its "
+                       "logits, its chosen token and k (the rows that ask, in one call); None for the other rows."),
+              Exercise("sampler.py", "ranked_logprobs", ("ranked_logprobs",),
+                       "row by row of logits [rows, vocab], a dict `{token: Logprob(logprob, rank)}` from their "
+                       "log_softmax: the row's chosen token first (rank: 1 + the number of likelier tokens), then its "
+                       "k likeliest in order (rank 1, 2, ...; the chosen one not twice). The runner scores a prompt's "
+                       "tokens with it too, each prompt token in the chosen one's place."),
               Exercise("sampler.py", "filtered_probs", ("Sampler.filtered_probs",),
                        "the probabilities [rows, vocab] after each row's top-k (-1, or a top_k beyond the vocabulary, "
                        "keeps every token), then top-p on what top-k kept: a token stays if the tokens ranked above it "
@@ -152,11 +155,14 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "num_computed_tokens on (int64); positions, their indices; an AttentionContext over "
                        "self.k_cache and self.v_cache whose slot_mapping is the positions (a token's cache row is its "
                        "position) and whose context_len is num_computed_tokens + num_new; sample_rows [num_new - 1] "
-                       "(only the last new token predicts) and sample_seqs [seq]."),
+                       "(only the last new token predicts), sample_seqs [seq], and prompt_rows "
+                       "`PromptLogprobRows.of(seq, 0, start, start + num_new)` (the rows that score the prompt, if "
+                       "the request asks for prompt_logprobs)."),
               Exercise("model_runner.py", "execute", ("ModelRunner.execute",),
                        "prepare the inputs, run self.model over them once, take the hidden rows of "
                        "inputs.sample_rows through self.compute_logits (the CPU's packed head, or the model's), and "
-                       "return what self.sampler gives for inputs.sample_seqs (a SampledToken each)."),
+                       "return a StepOutput: what self.sampler gives for inputs.sample_seqs (a SampledToken each), "
+                       "and `self.prompt_logprobs(hidden, inputs.prompt_rows)`."),
               Exercise("engine.py", "stop_rules", ("LLMEngine._append_token",),
                        "append token to seq.token_ids; set seq.metrics.first_token_time (the first time only), "
                        "last_token_time and num_output_tokens; then the stop rules, the first that matches wins: a "
@@ -198,6 +204,7 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "self.decode_kernel set, the spans of requests with one new token go to a list of decodes "
                        "instead, and `ctx.kernel_batch = self.kernel_batch(decodes)`. A request whose chunk reaches "
                        "the end of its tokens samples from its last row (sample_rows, and its seq in sample_seqs). "
+                       "Every request adds `PromptLogprobRows.of(seq, row, start, end)` to prompt_rows. "
                        "Return `ModelInputs(input_ids, positions, ctx, sample_rows, sample_seqs)` with "
                        "`ctx = AttentionContext(self.k_cache, self.v_cache, token_slots, positions, spans)`, the "
                        "lists of numbers made tensors with self._tensor."),
@@ -233,7 +240,8 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "token p of a request lives in block table[p // block_size], at offset p % block_size; a span's first "
              "is where its blocks start among the tables gathered before it, in tokens",
              (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
-                       "as in m2 (ids, positions, the rows that sample, decodes to self.kernel_batch when "
+                       "as in m2 (ids, positions, the rows that sample and score the prompt, decodes to "
+                       "self.kernel_batch when "
                        "self.decode_kernel is set), but token p goes to slot "
                        "`table[p // block_size] * block_size + p % block_size`, and each request's "
                        "`RequestSpan(start, end, table[: -(-end // block_size)], end)` carries its table cut to its "
@@ -381,14 +389,17 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "computed, and gives a request that finishes now its place back at once; async_scheduling=False runs "
              "the same code without the lag, to tell the two apart",
              (Exercise("engine.py", "process", ("LLMEngine._process",),
-                       "`tokens = self.worker.result(launched.number)`; if that raises anything (except "
-                       "BaseException: a failed step, or Ctrl-C), `self._roll_back(launched)` and raise it again. "
-                       "Then `start = self.tracer.now()`, `self.num_steps += 1`; each of launched.seqs still "
+                       "`output = self.worker.result(launched.number)` (a StepOutput); if that raises anything "
+                       "(except BaseException: a failed step, or Ctrl-C), `self._roll_back(launched)` and raise it "
+                       "again. Then `start = self.tracer.now()`, `self.num_steps += 1`; each of launched.seqs still "
                        "RUNNING gets `num_processed_tokens` = its entry of launched.num_computed_after (a preempted "
-                       "or finished one's blocks are no longer its own). For each of launched.sample_seqs, with "
-                       "its entry of launched.token_indices and its token: skip a request already finished (its "
-                       "token is dropped); else "
-                       "`self._accept_token(seq, index, token)`, and if that finished it, "
+                       "or finished one's blocks are no longer its own), and, if output.prompt_logprobs has its "
+                       "request id, `seq.add_prompt_logprobs(before + 1, those scores)` (before: its entry of "
+                       "launched.num_computed_before). For each of launched.sample_seqs, with its entry of "
+                       "launched.token_indices and its SampledToken in output.sampled: skip a request already "
+                       "finished (its token is dropped); else append the token's logprobs, if any, to "
+                       "seq.output_logprobs, `self._accept_token(seq, index, sampled.token_id)`, and if that finished "
+                       "it, "
                        "`self._drop_pending_tokens(seq)` and `self.scheduler.finish(seq)`; append "
                        "`RequestOutput.from_sequence(seq)`. Record `self.tracer.record(\"process\", start, "
                        "launched.number, len(launched.seqs))` and return the outputs."),)),

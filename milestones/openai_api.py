@@ -17,16 +17,16 @@ from typing import Any
 # other is refused, rather than silently ignored, unless it holds the value that asks for nothing (NO_OPS).
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
           "ignore_eos", "user", "store", "metadata", "presence_penalty", "frequency_penalty", "repetition_penalty"}
-COMPLETION_KEYS = COMMON | {"prompt", "logprobs"}  # logprobs: how many of the likeliest tokens to return
+# logprobs: how many of the likeliest tokens to return; echo: the prompt first (with its log-probabilities, if asked)
+COMPLETION_KEYS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}  # a flag, and how many
 
 # Options this server does not implement, and the values of each that ask for nothing: clients (LangChain, lm-eval,
 # guidellm) send them on every request. Any other value is refused with the values that are accepted.
 # --8<-- [start:no_ops]
 NO_OPS = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
+    "echo": (False,),  # in a chat; a completion echoes
     "logit_bias": ({},),
     "suffix": ("",),
     "tools": ([],),
@@ -54,6 +54,7 @@ class Job:
     stream: bool
     include_usage: bool
     chat: bool
+    echo: bool = False  # a completion's text and log-probabilities start with its prompt's
 
 
 def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sampling_params: type) -> Job:
@@ -61,10 +62,11 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     body = {key: value for key, value in body.items() if value is not None}  # null means "the default", as in OpenAI
-    unknown = sorted(set(body) - (CHAT_KEYS if chat else COMPLETION_KEYS) - set(NO_OPS) - ALWAYS_NO_OP)
+    honoured = CHAT_KEYS if chat else COMPLETION_KEYS
+    unknown = sorted(set(body) - honoured - set(NO_OPS) - ALWAYS_NO_OP)
     if unknown:
         raise BadRequest(f"unsupported parameter(s) {', '.join(unknown)}: remove them")
-    for key in sorted(set(body) & set(NO_OPS)):
+    for key in sorted(set(body) & set(NO_OPS) - honoured):
         if not any(_same(body[key], value) for value in NO_OPS[key]):
             allowed = " or ".join(json.dumps(value) for value in NO_OPS[key])
             raise BadRequest(f"{key} {json.dumps(body[key])} is not supported by this server: send {allowed} "
@@ -81,14 +83,19 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
         prompts = completion_prompts(body.get("prompt"))
         max_tokens = body.get("max_tokens", 16)
     sampling = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "stop", "presence_penalty", "frequency_penalty",
-                "repetition_penalty")  # repetition_penalty: vLLM's extension
+                "repetition_penalty", "n")  # repetition_penalty: vLLM's extension
     settings = {key: body[key] for key in sampling if key in body}
     settings["logprobs"] = requested_logprobs(body, chat)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest(f"echo must be true or false, got {echo!r}")
+    if echo and settings["logprobs"] is not None:  # lm-eval's loglikelihood: the prompt's tokens scored
+        settings["prompt_logprobs"] = settings["logprobs"]
     try:
         params = sampling_params(max_tokens=max_tokens, **settings)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
-    return Job(prompts, params, stream, bool(options.get("include_usage")) and stream, chat)
+    return Job(prompts, params, stream, bool(options.get("include_usage")) and stream, chat, echo)
 
 
 def requested_logprobs(body: dict, chat: bool) -> int | None:
@@ -127,33 +134,45 @@ def completion_prompts(prompt: object) -> list[str | list[int]]:
 class Answer:
     """A request's answer in OpenAI's shape, built up from the engine's outputs: whole, or as stream chunks."""
 
-    def __init__(self, job: Job, request_id: str, model: str, index: int = 0, token_texts: Sequence[str] = ()) -> None:
-        self.job, self.model, self.index = job, model, index  # index: the choice (a batched prompt's place)
+    def __init__(self, job: Job, request_id: str, model: str, index: int = 0, token_texts: Sequence[str] = (),
+                 echo_text: str = "", sample: int = 0) -> None:
+        self.job, self.model, self.index = job, model, index  # index: the choice (prompt p's sample s: p * n + s)
+        self.sample = sample  # which of the request's n completions this choice reads
+        self.echo_text = echo_text  # the prompt's text, which an echoing completion's text starts with
         self.id = ("chatcmpl-" if job.chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.text, self.finish_reason, self.finished = "", None, False
         self.prompt_tokens = self.completion_tokens = 0
-        self.sent_role = False
+        self.started = False  # the first chunk is sent (a chat's names the role; an echo's holds the prompt)
         self.token_texts = token_texts  # each token id's text: log-probabilities name tokens by their text
-        self.logprobs: list[tuple[int, dict]] = []  # (token id, {token id: Logprob}) of every token so far
+        self.logprobs: list[tuple[int, dict | None]] = []  # (token id, {token id: Logprob}) of every token so far
+        self.echoed: list[tuple[int, dict | None]] = []  # echo: the prompt's, the first token's None, before them
         self.sent_logprobs = 0  # how many of them the stream has sent
 
     def update(self, output: Any) -> dict | None:
         """Take the engine's latest output; the stream chunk it adds (None if it adds nothing)."""
-        completion = output.outputs[0]
+        if self.finished:  # n > 1: this sample has ended while others go on
+            return None
+        completion = output.outputs[self.sample]
         delta, self.text = completion.text[len(self.text):], completion.text
         self.prompt_tokens, self.completion_tokens = len(output.prompt_token_ids), len(completion.token_ids)
-        self.finished, self.finish_reason = output.finished, completion.finish_reason
+        self.finish_reason = completion.finish_reason
+        self.finished = self.finish_reason is not None  # this sample's end (the request's, when n is 1)
+        if output.prompt_logprobs is not None and not self.echoed:
+            self.echoed = list(zip(output.prompt_token_ids, output.prompt_logprobs))
         if completion.logprobs is not None:
-            self.logprobs = list(zip(completion.token_ids, completion.logprobs))
+            self.logprobs = self.echoed + list(zip(completion.token_ids, completion.logprobs))
         if not delta and not self.finished:
             return None  # a token whose text is held back (a possible stop string): its log-probability waits too
+        if not self.started and self.job.echo:  # the first chunk of an echoing completion starts with the prompt
+            delta = self.echo_text + delta
         fresh, self.sent_logprobs = self._logprobs(self.sent_logprobs), len(self.logprobs)
         if self.job.chat:
-            message = {"content": delta} if self.sent_role else {"role": "assistant", "content": delta}
-            self.sent_role = True
+            message = {"content": delta} if self.started else {"role": "assistant", "content": delta}
+            self.started = True
             choice = {"index": self.index, "delta": message, "logprobs": fresh, "finish_reason": self.finish_reason}
             return self._envelope("chat.completion.chunk", choice)
+        self.started = True
         choice = {"index": self.index, "text": delta, "finish_reason": self.finish_reason, "logprobs": fresh}
         return self._envelope("text_completion", choice)
 
@@ -162,13 +181,14 @@ class Answer:
         if self.job.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": self.text},
                     "logprobs": self._logprobs(0), "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": self.text, "finish_reason": self.finish_reason,
+        return {"index": self.index, "text": self.echo_text + self.text, "finish_reason": self.finish_reason,
                 "logprobs": self._logprobs(0)}
 
     # --8<-- [start:logprobs]
     def _logprobs(self, start: int) -> dict | None:
         """The log-probabilities of the tokens from ``start`` on, in OpenAI's shape: a chat's list of tokens, each
-        with its k likeliest; a completion's parallel lists (the legacy shape lm-eval reads)."""
+        with its k likeliest; a completion's parallel lists (the legacy shape lm-eval reads), which start with the
+        prompt's tokens when it echoes (the first has None: nothing before it predicts it)."""
         if self.job.params.logprobs is None:
             return None
         texts, tokens = self.token_texts, self.logprobs[start:]
@@ -182,8 +202,10 @@ class Answer:
                 if logprob.rank <= likeliest]} for token, found in tokens]}
         strings = [texts[token] for token, _ in tokens]
         before = sum(len(texts[token]) for token, _ in self.logprobs[:start])
-        return {"tokens": strings, "token_logprobs": [found[token].logprob for token, found in tokens],
-                "top_logprobs": [{texts[other]: p.logprob for other, p in found.items()} for _, found in tokens],
+        return {"tokens": strings,
+                "token_logprobs": [None if found is None else found[token].logprob for token, found in tokens],
+                "top_logprobs": [None if found is None else {texts[other]: p.logprob for other, p in found.items()}
+                                 for _, found in tokens],
                 "text_offset": list(accumulate((len(text) for text in strings), initial=before))[:-1]}
     # --8<-- [end:logprobs]
 
@@ -193,8 +215,9 @@ class Answer:
 
 
 def usage(answers: list[Answer]) -> dict:
-    """Tokens over every choice of a request, as OpenAI counts them."""
-    prompt, completion = sum(a.prompt_tokens for a in answers), sum(a.completion_tokens for a in answers)
+    """Tokens over every choice of a request, as OpenAI counts them: a prompt once, however many samples it has."""
+    prompt = sum(a.prompt_tokens for a in answers if a.sample == 0)
+    completion = sum(a.completion_tokens for a in answers)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

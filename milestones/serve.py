@@ -65,7 +65,11 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
         except Exception as err:
             release()  # the prompts of a batch taken before one was refused
             return refusal(err)
-        answers = [Answer(job, streams[0].request_id, model_name, index, token_texts) for index in range(len(streams))]
+        echoed = [(prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)) if job.echo else ""
+                  for prompt in job.prompts]
+        n = job.params.n  # choices: each prompt's n samples, prompt after prompt
+        answers = [Answer(job, streams[0].request_id, model_name, index * n + sample, token_texts, text, sample)
+                   for index, text in enumerate(echoed) for sample in range(n)]
         if job.stream:
             return ReleasingStreamingResponse(events(streams, answers), release, media_type="text/event-stream")
         collect = asyncio.ensure_future(collect_answers(streams, answers))
@@ -84,15 +88,18 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
         return JSONResponse(whole(answers))
 
     async def collect_answers(streams: list[Stream], answers: list[Answer]) -> None:
+        n = len(answers) // len(streams)
         async for index, output in merged(streams):
-            answers[index].update(output)
+            for answer in answers[index * n : (index + 1) * n]:
+                answer.update(output)
 
     async def events(streams: list[Stream], answers: list[Answer]) -> AsyncIterator[str]:
         try:
+            n = len(answers) // len(streams)
             async for index, output in merged(streams):
-                delta = answers[index].update(output)
-                if delta is not None:
-                    yield f"data: {json.dumps(delta)}\n\n"
+                for answer in answers[index * n : (index + 1) * n]:
+                    if (delta := answer.update(output)) is not None:
+                        yield f"data: {json.dumps(delta)}\n\n"
             if last := usage_chunk(answers):
                 yield f"data: {json.dumps(last)}\n\n"
             yield "data: [DONE]\n\n"

@@ -107,6 +107,44 @@ CATALOGUE = (
         "the running requests are sorted by length as well, so arrival order is lost within the decodes",
     ),
     Mutation(
+        "m1-prompt-logprobs-score-the-token-read", "milestones/m1/step.py",
+        "seq.prompt_token_ids[start + 1 : stop + 1]", "seq.prompt_token_ids[start:stop]",
+        ("tests/m1/test_logprobs.py::test_prompt_logprobs_match_transformers",),
+        "a prompt row scores the token it reads, not the one it predicts",
+    ),
+    Mutation(
+        "m2-prompt-rows-from-the-first-row", "milestones/m2/model_runner.py",
+        "prompt_rows += PromptLogprobRows.of(seq, row, start, end)",
+        "prompt_rows += PromptLogprobRows.of(seq, 0, start, end)",
+        ("tests/m2/test_vs_m1.py::test_m2_matches_m1_on_a_mixed_workload",),
+        "every request's prompt rows are read from the top of the packed batch",
+    ),
+    Mutation(
+        "m3-prompt-scored-twice-after-preemption", "milestones/m3/sequence.py",
+        "self.prompt_logprobs += scores[len(self.prompt_logprobs) - first :]", "self.prompt_logprobs += scores",
+        ("tests/m3/test_vs_m2.py::test_m3_matches_m2_under_heavy_preemption",),
+        "a preempted request that recomputes its prompt appends the scores it already had",
+    ),
+    Mutation(
+        "m4-prompt-logprobs-from-the-cache", "milestones/m4/scheduler.py",
+        "seq.token_ids[:-1] if seq.params.prompt_logprobs is None else []", "seq.token_ids[:-1]",
+        ("tests/m4/test_vs_m3.py::test_a_request_asking_for_its_prompts_logprobs_computes_the_prompt_the_cache_holds",),
+        "a request asking for its prompt's log-probabilities takes cached blocks, whose tokens then have no score",
+    ),
+    Mutation(
+        "m1-samples-share-a-seed", "milestones/m1/parallel_sampling.py",
+        "            seed += index\n", "",
+        ("tests/m1/test_parallel_sampling.py::test_sample_i_is_the_request_alone_with_seed_plus_i",),
+        "every sample of a seeded request gets the request's seed, so n samples are one sample n times",
+    ),
+    Mutation(
+        "m4-held-samples-never-released", "milestones/m4/engine.py",
+        "        for seq in self.parents.release_held(outputs):  # m4: the first sample's prompt is computed\n"
+        "            self.scheduler.add(seq)\n", "",
+        ("tests/m4/test_vs_m3.py::test_the_samples_of_one_prompt_share_it_through_the_cache",),
+        "the samples held back while the first computes the prompt are never scheduled",
+    ),
+    Mutation(
         "m3-slot-off-by-one", "milestones/m3/model_runner.py",
         "table[p // block_size] * block_size + p % block_size for p in range(start, end)",
         "table[p // block_size] * block_size + (p + 1) % block_size for p in range(start, end)",
@@ -194,8 +232,7 @@ CATALOGUE = (
     ),
     Mutation(
         "m4-match-whole-prompt", "milestones/m4/scheduler.py",
-        "blocks, node = self.tree.match_prefix(seq.token_ids[:-1])",
-        "blocks, node = self.tree.match_prefix(seq.token_ids)",
+        "match_prefix(seq.token_ids[:-1] if", "match_prefix(seq.token_ids if",
         ("tests/m4/test_vs_m3.py::test_trap_fully_cached_prompt_still_computes_its_last_token",),
         "a fully cached prompt is matched to its end, leaving no token whose logits give the next one",
     ),
@@ -342,8 +379,8 @@ CATALOGUE = (
     ),
     Mutation(
         "m6-step-not-counted", "milestones/m6/engine.py",
-        "        self.num_steps += 1\n        for seq, computed in zip(launched.seqs, launched.num_computed_after):",
-        "        for seq, computed in zip(launched.seqs, launched.num_computed_after):",
+        "        self.num_steps += 1\n        for seq, before, computed in zip(",
+        "        for seq, before, computed in zip(",
         ("tests/m6/test_process.py::test_each_processed_step_is_counted_and_traced",),
         "a processed step is not counted, so num_steps and the reports built on it stay at 0",
     ),
@@ -424,8 +461,8 @@ CATALOGUE = (
     ),
     Mutation(
         "m7-one-noise-per-step", "milestones/m7/step.py",
-        "return cls(seq.params, seq.seed, position + 1, guess)",
-        "return cls(seq.params, seq.seed, seq.num_tokens, guess)",
+        "return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, guess)",
+        "return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output, guess)",
         ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
         "every row of a request draws the noise of its first, not of the position it samples",
     ),

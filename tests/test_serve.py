@@ -113,9 +113,9 @@ def test_models_and_health(served, request):
     (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
     (b'{"prompt": "hi", "top_p": 2}', "top_p"),
     (b'{"prompt": "hi", "logprobs": 30}', "logprobs must be None or in [0, 20]"),
-    (b'{"prompt": "hi", "n": 2}', "n 2 is not supported by this server: send 1"),
+    (b'{"prompt": "hi", "n": 0}', "n must be an integer >= 1"),
     (b'{"prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty must be in [-2, 2]"),
-    (b'{"prompt": "hi", "echo": true}', "echo true is not supported by this server: send false"),
+    (b'{"prompt": "hi", "echo": 1}', "echo must be true or false"),
     (b'{"prompt": "hi", "logit_bias": {"5": 1}}', "logit_bias"),
     (b'{"prompt": "hi", "guided_json": {}}', "unsupported parameter(s) guided_json"),
     (b'{"prompt": ""}', "empty"),
@@ -192,6 +192,52 @@ def test_logprobs_in_openais_shapes_whole_and_streamed(tiny_model_path):
     assert refused.status_code == 400 and "top_logprobs needs logprobs: true" in refused.json()["error"]["message"]
 
 
+def lm_eval_loglikelihood_body(prompts: list) -> dict:
+    """What lm-eval's local-completions sends to score a continuation: prompt = context + continuation, echoed."""
+    return {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+
+
+def lm_eval_parse_logprobs(choice: dict, ctxlen: int) -> tuple[float, bool]:
+    """lm-eval's parse_logprobs (0.4.x): the continuation's summed log-probability, and whether it is greedy."""
+    logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+    tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+    return sum(logprobs), all(token == max(top.values()) for token, top in zip(logprobs, tops))
+
+
+def test_lm_eval_loglikelihood_reads_the_engines_prompt_logprobs(tiny_model_path):
+    """echo with logprobs gives the prompt's tokens their log-probabilities (the first has none) before the generated
+    token's: lm-eval sums them over a continuation. Token ids and text prompts alike, within 1e-4 of the engine."""
+    mod = importlib.import_module("milestones.m4")
+    llm = mod.LLM(tiny_model_path, **LIMITS)
+    tokenizer = llm.tokenizer
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    expected = llm.generate(ids, mod.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    with serving(llm) as (url, _):
+        tokenized = httpx.post(f"{url}/v1/completions", json=lm_eval_loglikelihood_body(ids), timeout=120).json()
+        text = httpx.post(f"{url}/v1/completions", json=lm_eval_loglikelihood_body(PROMPTS[0]), timeout=120).json()
+        streamed = [json.loads(line[6:]) for line in httpx.post(
+            f"{url}/v1/completions", json={**lm_eval_loglikelihood_body(PROMPTS[0]), "stream": True},
+            timeout=120).text.splitlines() if line.startswith("data: {")]
+    for choice, prompt, out in zip(tokenized["choices"], ids, expected):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1, "the prompt's tokens, then the generated one"
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert choice["text"] == tokenizer.decode(prompt) + out.outputs[0].text
+        for position, (token, found) in enumerate(zip(prompt[1:], out.prompt_logprobs[1:]), 1):
+            assert abs(logprobs["token_logprobs"][position] - found[token].logprob) <= 1e-4, position
+        ctxlen = len(prompt) // 2
+        total, _ = lm_eval_parse_logprobs(choice, ctxlen)
+        want = sum(found[token].logprob for token, found in zip(prompt[ctxlen:], out.prompt_logprobs[ctxlen:]))
+        assert abs(total - want) <= 1e-3, (total, want)
+    assert text["choices"][0]["text"].startswith(PROMPTS[0])
+    alone, batched = (answer["choices"][0]["logprobs"]["token_logprobs"] for answer in (text, tokenized))
+    assert alone[0] is None and len(alone) == len(batched)  # the same tokens, in a batch of one or of four
+    assert all(abs(a - b) <= 1e-4 for a, b in zip(alone[1:], batched[1:]))
+    first = next(chunk["choices"][0] for chunk in streamed if chunk["choices"])
+    assert first["text"].startswith(PROMPTS[0]) and first["logprobs"]["token_logprobs"][0] is None
+
+
 def test_bad_chat_messages_get_400(served):
     url, _, _, _ = served
     for messages in ([], [{"role": "user"}], "hello", [{"role": "user", "content": 3}]):
@@ -200,6 +246,9 @@ def test_bad_chat_messages_get_400(served):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     response = httpx.post(f"{url}/v1/chat/completions", json={"messages": image})
     assert response.status_code == 400 and "part of type 'image_url'" in response.json()["error"]["message"]
+    response = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                               "echo": True})  # a completion's option only
+    assert response.status_code == 400 and "echo true is not supported" in response.json()["error"]["message"]
 
 
 # What real clients send, as they send it (captured from their requests): each must be served, not refused.
@@ -250,6 +299,31 @@ def test_a_batch_of_prompts_gets_a_choice_each_in_order(served):
     assert streamed == [t.text for t in texts]
     assert chunks[-1].usage.completion_tokens == sum(len(t.token_ids) for t in texts)
     wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)  # released once the stream is sent
+
+
+def test_n_samples_are_choices_prompt_after_prompt(served):
+    """n samples of each prompt: choice p * n + s is prompt p's sample s, the engine's own (seed + s), streamed or
+    whole; the prompt counts once in the usage."""
+    url, app, _, _ = served
+    llm = app.state.engine_loop.llm
+    mod = importlib.import_module(type(llm).__module__.rsplit(".", 1)[0])
+    settings = dict(temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
+    expected = [llm.generate(p, mod.SamplingParams(**settings, n=3), use_tqdm=False)[0] for p in PROMPTS[:2]]
+    body = {"prompt": PROMPTS[:2], "n": 3, **settings}
+    answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    assert [c["index"] for c in answer["choices"]] == list(range(6))
+    assert [c["text"] for c in answer["choices"]] == [c.text for out in expected for c in out.outputs]
+    assert answer["usage"]["prompt_tokens"] == sum(len(out.prompt_token_ids) for out in expected)
+    lines = httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=120).text.splitlines()
+    chunks = [json.loads(line[6:])["choices"][0] for line in lines if line.startswith("data: {")]
+    for index in range(6):
+        mine = [c for c in chunks if c["index"] == index]
+        assert "".join(c["text"] for c in mine) == answer["choices"][index]["text"]
+        assert [c["finish_reason"] for c in mine].count("length") == 1, f"choice {index}: one last chunk"
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                          **settings}, timeout=120).json()
+    assert [c["index"] for c in chat["choices"]] == [0, 1]
+    wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)
 
 
 def test_models_routes_and_errors_in_openais_shape(served):

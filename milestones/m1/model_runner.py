@@ -11,12 +11,14 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import pack_linear_layers_for
+from milestones.transfer import to_device
 
 from .attention import AttentionContext
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler
-from .step import ModelInputs, SampledToken, ScheduledBatch
+from .sampler import Sampler, ranked_logprobs
+from .sequence import Logprob
+from .step import ModelInputs, PromptLogprobRows, ScheduledBatch, StepOutput
 
 
 class ModelRunner:
@@ -48,12 +50,26 @@ class ModelRunner:
 
     # --8<-- [start:execute]
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken | None]:
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Compute the batch's new tokens in one forward pass and sample one token per sequence."""
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
-        return self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
+        sampled = self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
+        return StepOutput(sampled, self.prompt_logprobs(hidden, inputs.prompt_rows))
     # --8<-- [end:execute]
+
+    # --8<-- [start:prompt_logprobs]
+    def prompt_logprobs(self, hidden: torch.Tensor,
+                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
+        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
+        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
+        found = {}
+        for rows in scored:
+            logits = self.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])
+            chosen = to_device(rows.token_ids, torch.long, self.device)
+            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
+        return found
+    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
@@ -63,5 +79,6 @@ class ModelRunner:
         input_ids = torch.tensor(seq.token_ids[start : start + num_new], device=self.device)
         positions = torch.arange(start, start + num_new, device=self.device)
         ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=positions, context_len=start + num_new)
-        return ModelInputs(input_ids, positions, ctx, sample_rows=[num_new - 1], sample_seqs=[seq])  # the last predicts
+        return ModelInputs(input_ids, positions, ctx, sample_rows=[num_new - 1], sample_seqs=[seq],  # the last predicts
+                           prompt_rows=PromptLogprobRows.of(seq, 0, start, start + num_new))
     # --8<-- [end:prepare_inputs]

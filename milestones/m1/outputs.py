@@ -24,6 +24,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token (the first's None), if asked
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
@@ -34,4 +35,7 @@ class RequestOutput:
             finish_reason=seq.finish_reason,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         )
-        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics)
+        # Complete once the first token is out, and never changed after: shared, not copied at every step.
+        prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
+        return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics,
+                   prompt_logprobs)

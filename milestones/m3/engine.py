@@ -25,6 +25,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .parallel_sampling import ParentRequest, ParentRequests
 from .prompts import Prompt, eos_token_ids, tokenize_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -53,6 +54,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config)
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
+        self.parents = ParentRequests()  # requests with n > 1, each made of a child request per sample
         self.num_steps = 0
         self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
 
@@ -75,9 +77,20 @@ class LLMEngine:
                 "or pass max_tokens=None to stop at the context limit"
             )
         request_id = self._new_request_id() if request_id is None else str(request_id)
-        if self.scheduler.find(request_id) is not None:
+        children = [ParentRequest.child_id(request_id, index) for index in range(params.n)] if params.n > 1 else []
+        if any(self._in_use(r) for r in [request_id, *children]):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        seq = Sequence(
+        if not children:
+            self.scheduler.add(self._sequence(request_id, prompt, token_ids, params))
+            return request_id
+        self.parents.add(ParentRequest(request_id, children))  # n samples: a request each, one output for all
+        for index, child in enumerate(children):
+            self.scheduler.add(self._sequence(child, prompt, token_ids, ParentRequest.child_params(params, index)))
+        return request_id
+    # --8<-- [end:add_request]
+
+    def _sequence(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
@@ -85,14 +98,14 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
         )
-        self.scheduler.add(seq)
-        return request_id
-    # --8<-- [end:add_request]
+
+    def _in_use(self, request_id: str) -> bool:
+        return self.scheduler.find(request_id) is not None or self.parents.uses(request_id)
 
     def _new_request_id(self) -> str:
         """The next automatic id that no unfinished request uses (a caller may have picked "7" already)."""
         request_id = str(next(self._ids))
-        while self.scheduler.find(request_id) is not None:
+        while self._in_use(request_id):
             request_id = str(next(self._ids))
         return request_id
 
@@ -108,10 +121,12 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = now
-        new_tokens = self.runner.execute(batch)
+        output = self.runner.execute(batch)
         self.num_steps += 1
         outputs = []
-        for seq, num_new, sampled in zip(batch.seqs, batch.num_new_tokens, new_tokens):
+        for seq, num_new, sampled in zip(batch.seqs, batch.num_new_tokens, output.sampled):
+            if seq.request_id in output.prompt_logprobs:  # its rows read positions num_computed_tokens on
+                seq.add_prompt_logprobs(seq.num_computed_tokens + 1, output.prompt_logprobs[seq.request_id])
             seq.num_computed_tokens += num_new
             if sampled is None:  # part of a prompt that is still being prefilled
                 continue
@@ -121,7 +136,7 @@ class LLMEngine:
             if seq.is_finished:
                 self.scheduler.finish(seq)
             outputs.append(RequestOutput.from_sequence(seq))
-        return outputs
+        return self.parents.merge(outputs)  # a sample's output is its parent's (n > 1)
     # --8<-- [end:step]
 
     # --8<-- [start:stop_rules]
@@ -145,8 +160,14 @@ class LLMEngine:
 
     @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a waiting or running request now; its partial output is returned."""
-        seq = self.scheduler.find(str(request_id))
+        """Stop a waiting or running request now (each sample of one with n > 1); its partial output is returned."""
+        parent = self.parents.by_id.get(str(request_id))
+        aborted = [self._abort(r) for r in (parent.child_ids if parent is not None else [str(request_id)])]
+        merged = self.parents.merge([out for out in aborted if out is not None])
+        return merged[0] if merged else None
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.find(request_id)
         if seq is None:
             return None
         seq.finish("abort")

@@ -24,8 +24,9 @@ from .attention import AttentionContext, KernelBatch, RequestSpan, paged_decode_
 from .config import EngineConfig
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler
-from .step import DecodeInputs, ModelInputs, SampledToken, ScheduledBatch
+from .sampler import Sampler, ranked_logprobs
+from .sequence import Logprob
+from .step import DecodeInputs, ModelInputs, PromptLogprobRows, ScheduledBatch, StepOutput
 
 
 class ModelRunner:
@@ -85,20 +86,35 @@ class ModelRunner:
 
     # --8<-- [start:execute]
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[SampledToken | None]:
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
             hidden = self.graph_runner.run(self.decode_inputs(batch))
-            return self.sampler(self.compute_logits(hidden), batch.seqs)
+            return StepOutput(self.sampler(self.compute_logits(hidden), batch.seqs), {})
         self.num_eager_steps += 1
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
+        prompt_logprobs = self.prompt_logprobs(hidden, inputs.prompt_rows)
         if not inputs.sample_seqs:  # every request is in the middle of its prompt
-            return [None] * len(batch.seqs)
+            return StepOutput([None] * len(batch.seqs), prompt_logprobs)
         sampled = self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
         token_of = {seq.request_id: token for seq, token in zip(inputs.sample_seqs, sampled)}
-        return [token_of.get(seq.request_id) for seq in batch.seqs]  # None: a prompt chunk that predicts nothing yet
+        # None: a chunk of a prompt that predicts nothing yet
+        return StepOutput([token_of.get(seq.request_id) for seq in batch.seqs], prompt_logprobs)
     # --8<-- [end:execute]
+
+    # --8<-- [start:prompt_logprobs]
+    def prompt_logprobs(self, hidden: torch.Tensor,
+                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
+        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
+        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
+        found = {}
+        for rows in scored:
+            logits = self.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])
+            chosen = to_device(rows.token_ids, torch.long, self.device)
+            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
+        return found
+    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
@@ -106,7 +122,7 @@ class ModelRunner:
         block_size = self.config.block_size
         input_ids, positions, slot_mapping = [], [], []  # one entry per token
         requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
-        sample_rows, sample_seqs = [], []
+        sample_rows, sample_seqs, prompt_rows = [], [], []
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             row = len(input_ids)
@@ -115,6 +131,7 @@ class ModelRunner:
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
             (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
+            prompt_rows += PromptLogprobRows.of(seq, row, start, end)
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 sample_rows.append(row + num_new - 1)
                 sample_seqs.append(seq)
@@ -126,7 +143,8 @@ class ModelRunner:
                                requests)
         if decodes:
             ctx.kernel_batch = self.kernel_batch(decodes)
-        return ModelInputs(self._tensor(input_ids), self._tensor(positions), ctx, sample_rows, sample_seqs)
+        return ModelInputs(self._tensor(input_ids), self._tensor(positions), ctx, sample_rows, sample_seqs,
+                           prompt_rows)
     # --8<-- [end:prepare_inputs]
 
     @staticmethod

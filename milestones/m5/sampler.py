@@ -53,16 +53,11 @@ class Sampler:
         rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if not rows:
             return found
-        logprobs = logits[to_device(rows, torch.long, self.device)].log_softmax(dim=-1)
-        chosen = logprobs.gather(-1, to_device([tokens[i] for i in rows], torch.long, self.device)[:, None])
-        ranks = (logprobs > chosen).sum(dim=-1) + 1  # 1 + how many tokens are likelier than the chosen one
-        top = logprobs.topk(max(seqs[i].params.logprobs for i in rows), dim=-1)
-        columns = zip(rows, chosen[:, 0].tolist(), ranks.tolist(), top.indices.tolist(), top.values.tolist())
-        for i, value, rank, top_ids, top_values in columns:
-            k = seqs[i].params.logprobs
-            found[i] = {tokens[i]: Logprob(value, rank)}
-            for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
-                found[i].setdefault(top_id, Logprob(top_value, place))
+        index = to_device(rows, torch.long, self.device)
+        chosen = to_device([tokens[i] for i in rows], torch.long, self.device)
+        ks = [seqs[i].params.logprobs for i in rows]
+        for i, ranked in zip(rows, ranked_logprobs(logits[index], chosen, ks)):
+            found[i] = ranked
         return found
     # --8<-- [end:logprobs]
 
@@ -126,3 +121,23 @@ def noise_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return z ^ (z >> 31)
 # --8<-- [end:exponential_noise]
+
+
+# --8<-- [start:ranked_logprobs]
+def ranked_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
+    """Row by row of logits [rows, vocab]: ``{token: Logprob(logprob, rank)}``, the chosen token first (a sampled one,
+    or a prompt's own next token), then the row's k likeliest in order; the chosen one is not listed twice."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen_logprobs = logprobs.gather(-1, chosen[:, None])
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # 1 + how many tokens are likelier than the chosen one
+    top = logprobs.topk(max(ks), dim=-1)
+    found = []
+    columns = zip(ks, chosen.tolist(), chosen_logprobs[:, 0].tolist(), ranks.tolist(), top.indices.tolist(),
+                  top.values.tolist())
+    for k, token, value, rank, top_ids, top_values in columns:
+        ranked = {token: Logprob(value, rank)}
+        for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
+            ranked.setdefault(top_id, Logprob(top_value, place))
+        found.append(ranked)
+    return found
+# --8<-- [end:ranked_logprobs]

@@ -33,6 +33,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .outputs import RequestOutput
+from .parallel_sampling import ParentRequest, ParentRequests
 from .prompts import Prompt, eos_token_ids, tokenize_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -63,6 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config)
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
+        self.parents = ParentRequests()  # requests with n > 1, each made of a child request per sample
         self.num_steps = 0  # steps processed
         self.num_launched = 0  # steps handed to the forward worker
         self.pending: LaunchedStep | None = None  # with async scheduling: launched last step, processed this one
@@ -90,9 +92,21 @@ class LLMEngine:
                 "or pass max_tokens=None to stop at the context limit"
             )
         request_id = self._new_request_id() if request_id is None else str(request_id)
-        if self.scheduler.find(request_id) is not None:
+        children = [ParentRequest.child_id(request_id, index) for index in range(params.n)] if params.n > 1 else []
+        if any(self._in_use(r) for r in [request_id, *children]):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        seq = Sequence(
+        if not children:
+            self.scheduler.add(self._sequence(request_id, prompt, token_ids, params))
+            return request_id
+        first, *others = [self._sequence(child, prompt, token_ids, ParentRequest.child_params(params, index))
+                          for index, child in enumerate(children)]
+        self.parents.add(ParentRequest(request_id, children, held=others))  # n samples: a request each, one output
+        self.scheduler.add(first)  # m4: the others follow once its prompt is cached, and share it
+        return request_id
+    # --8<-- [end:add_request]
+
+    def _sequence(self, request_id: str, prompt: Prompt, token_ids: list[int], params: SamplingParams) -> Sequence:
+        return Sequence(
             request_id=request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=token_ids,
@@ -100,14 +114,14 @@ class LLMEngine:
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
         )
-        self.scheduler.add(seq)
-        return request_id
-    # --8<-- [end:add_request]
+
+    def _in_use(self, request_id: str) -> bool:
+        return self.scheduler.find(request_id) is not None or self.parents.uses(request_id)
 
     def _new_request_id(self) -> str:
         """The next automatic id that no unfinished request uses (a caller may have picked "7" already)."""
         request_id = str(next(self._ids))
-        while self.scheduler.find(request_id) is not None:
+        while self._in_use(request_id):
             request_id = str(next(self._ids))
         return request_id
 
@@ -152,17 +166,19 @@ class LLMEngine:
     def _process(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Put a computed step's tokens in place, apply the stop rules, finish requests; their outputs."""
         try:
-            samples = self.worker.result(launched.number)
+            output = self.worker.result(launched.number)
         except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
             self._roll_back(launched)
             raise
         start = self.tracer.now()
         self.num_steps += 1
-        for seq, computed in zip(launched.seqs, launched.num_computed_after):
+        for seq, before, computed in zip(launched.seqs, launched.num_computed_before, launched.num_computed_after):
             if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since: the blocks are still its own
                 seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
+                if seq.request_id in output.prompt_logprobs:  # its rows read positions ``before`` on
+                    seq.add_prompt_logprobs(before + 1, output.prompt_logprobs[seq.request_id])
         outputs = []
-        for seq, index, sampled in zip(launched.sample_seqs, launched.token_indices, samples):
+        for seq, index, sampled in zip(launched.sample_seqs, launched.token_indices, output.sampled):
             if seq.is_finished:  # it finished (or was aborted) while this step computed: the token is dropped
                 continue
             if sampled.logprobs is not None:
@@ -172,8 +188,10 @@ class LLMEngine:
                 self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)
             outputs.append(RequestOutput.from_sequence(seq))
+        for seq in self.parents.release_held(outputs):  # m4: the first sample's prompt is computed
+            self.scheduler.add(seq)
         self.tracer.record("process", start, launched.number, len(launched.seqs))
-        return outputs
+        return self.parents.merge(outputs)  # a sample's output is its parent's (n > 1)
     # --8<-- [end:process]
 
     # --8<-- [start:stop_rules]
@@ -220,8 +238,14 @@ class LLMEngine:
 
     @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a waiting or running request now; its partial output is returned."""
-        seq = self.scheduler.find(str(request_id))
+        """Stop a waiting or running request now (each sample of one with n > 1); its partial output is returned."""
+        parent = self.parents.by_id.get(str(request_id))
+        aborted = [self._abort(r) for r in (parent.child_ids if parent is not None else [str(request_id)])]
+        merged = self.parents.merge([out for out in aborted if out is not None])
+        return merged[0] if merged else None
+
+    def _abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.scheduler.find(request_id) or self.parents.take_held(request_id)
         if seq is None:
             return None
         seq.finish("abort")

@@ -25,6 +25,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token (the first's None), if asked
 
     @classmethod
     def from_sequence(cls, seq: Sequence) -> RequestOutput:
@@ -35,5 +36,7 @@ class RequestOutput:
             finish_reason=seq.finish_reason,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
         )
+        # Complete once the first token is out, and never changed after: shared, not copied at every step.
+        prompt_logprobs = seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
         return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics,
-                   seq.num_cached_tokens)
+                   seq.num_cached_tokens, prompt_logprobs)

@@ -116,7 +116,8 @@ class Scheduler:
         """Start the sequence from its longest cached prefix, leaving at least its last token to compute."""
         if self.tree is None:
             return
-        blocks, node = self.tree.match_prefix(seq.token_ids[:-1])
+        # A request that asks for its prompt's log-probabilities computes every prompt token: it matches nothing.
+        blocks, node = self.tree.match_prefix(seq.token_ids[:-1] if seq.params.prompt_logprobs is None else [])
         self.block_manager.share(seq.request_id, blocks)
         self.tree.lock(node)
         self.locked[seq.request_id] = node

@@ -67,8 +67,9 @@ class DraftModelProposer:
     def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
         """Up to ``rooms[i]`` guesses for request i, whose block table ``tables[i]`` has the slots for them."""
         # The draft computes what it has not seen: at least the last token, sampled after its previous guesses.
-        views = [DraftView(list(seq.token_ids), seq.num_drafted_tokens, replace(seq.params, logprobs=None), seq.seed,
-                           seq.prompt_token_ids) for seq in seqs]  # a guess's log-probabilities are nobody's
+        unscored = [replace(seq.params, logprobs=None, prompt_logprobs=None) for seq in seqs]  # a guess's are nobody's
+        views = [DraftView(list(seq.token_ids), seq.num_drafted_tokens, params, seq.seed, seq.prompt_token_ids)
+                 for seq, params in zip(seqs, unscored)]
         guesses: list[list[int]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while active:  # k forward passes: everyone's catch-up and first guess, then a guess each

@@ -29,9 +29,9 @@ from .config import EngineConfig
 from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler
-from .sequence import Sequence
-from .step import DecodeInputs, ModelInputs, SamplingRow, ScheduledBatch, StepInputs, StepSamples
+from .sampler import Sampler, ranked_logprobs
+from .sequence import Logprob, Sequence
+from .step import DecodeInputs, ModelInputs, PromptLogprobRows, SamplingRow, ScheduledBatch, StepInputs, StepSamples
 
 
 class ModelRunner:
@@ -114,20 +114,36 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> StepSamples:
         """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device."""
+        prompt_logprobs = {}
         if isinstance(step.forward, DecodeInputs):
             hidden = self.graph_runner.run(step.forward, self.future_map)
         else:
             self.num_eager_steps += 1
             input_ids, positions, ctx = self.device_inputs(step.forward)
+            hidden = self.model(input_ids, positions, ctx)
+            prompt_logprobs = self.prompt_logprobs(hidden, step.forward.prompt_rows)
             rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
-            hidden = self.model(input_ids, positions, ctx)[rows]  # copy to the GPU and wait for the forward
+            hidden = hidden[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
-            return StepSamples(torch.empty(0, dtype=torch.long, device=self.device), [])
+            return StepSamples(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
         logits = self.compute_logits(hidden)
         tokens = self.sampler(logits, step.samples)
         self.future_map.store(step.future_ids, tokens)
-        return StepSamples(tokens, self.sampler.logprobs(logits, step.samples, tokens))
+        return StepSamples(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)
     # --8<-- [end:execute]
+
+    # --8<-- [start:prompt_logprobs]
+    def prompt_logprobs(self, hidden: torch.Tensor,
+                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
+        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
+        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
+        found = {}
+        for rows in scored:
+            logits = self.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])
+            chosen = to_device(rows.token_ids, torch.long, self.device)
+            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
+        return found
+    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
@@ -135,7 +151,7 @@ class ModelRunner:
         block_size = self.config.block_size
         input_ids, positions, slot_mapping = [], [], []  # one entry per token
         requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
-        sample_rows, sample_seqs = [], []
+        sample_rows, sample_seqs, prompt_rows = [], [], []
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             row = len(input_ids)
@@ -148,6 +164,7 @@ class ModelRunner:
                 requests.append(span)
             else:  # one token, or m7: a token and its guesses, a kernel row apiece as in a replayed step
                 decodes += [RequestSpan(row + i, row + i + 1, span.block_table, start + i + 1) for i in range(num_new)]
+            prompt_rows += PromptLogprobRows.of(seq, row, start, end)
             if end == len(tokens):  # the chunk reaches the end: its last token, and each guess, predicts the next one
                 num_rows = 1 + len(seq.draft_token_ids)
                 sample_rows += range(row + num_new - num_rows, row + num_new)
@@ -157,7 +174,7 @@ class ModelRunner:
             span.first = len(block_tables) * block_size
             block_tables += span.block_table
         return ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows,
-                           sample_seqs)
+                           sample_seqs, prompt_rows)
 
     def device_inputs(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The eager step's tensors, made on the worker; future ids resolved to the tokens they stand for."""

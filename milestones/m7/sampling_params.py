@@ -28,6 +28,11 @@ class SamplingParams:
       of the prompt or the output by it, and multiplies a negative one.
     * ``logprobs=k`` returns, for every generated token, its log-probability and the
       k likeliest tokens' (0: the chosen token's alone), under the model's own logits.
+    * ``prompt_logprobs=k`` returns the same for every token of the prompt, from the
+      second on (the first has nothing before it to predict it). Such a request
+      computes its whole prompt: it takes nothing from a prefix cache (m4 on).
+    * ``n`` samples of the prompt come back as ``n`` completions of one output; with a
+      seed, sample i is what the request alone would give with ``seed + i``.
 
     Frozen, so a request cannot be changed under the engine after it was checked:
     ``dataclasses.replace(params, top_k=50)`` makes a changed copy, checked again.
@@ -46,13 +51,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Frozen: normalised values are stored with object.__setattr__, once, here.
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             _set(self, name, _as_real(name, getattr(self, name)))
         _set(self, "top_k", _as_int("top_k", self.top_k))
-        for name in ("max_tokens", "seed", "logprobs"):  # None is meaningful for these
+        _set(self, "n", _as_int("n", self.n))
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):  # None is meaningful for these
             value = getattr(self, name)
             _set(self, name, None if value is None else _as_int(name, value))
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -69,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (how many samples of the prompt), got {self.n!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(
                 f"max_tokens must be an integer >= 1 (or None for 'until the context is full'), got {self.max_tokens!r}"
@@ -86,9 +96,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}] (how many of the likeliest tokens to "
-                             f"return besides the chosen one), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}] (how many of the likeliest tokens to "
+                                 f"return besides the chosen one), got {value!r}")
 
     @property
     def greedy(self) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from milestones.trace import Tracer
 
-from .step import SampledToken, StepResult
+from .step import SampledToken, StepOutput, StepResult
 
 if TYPE_CHECKING:  # only for type hints
     from .model_runner import ModelRunner
@@ -58,8 +58,8 @@ class ForwardWorker:
         else:
             self.inbox.put((step_number, inputs))
 
-    def result(self, step_number: int) -> list[SampledToken]:
-        """Step ``step_number``'s sampled tokens (waits for them), or its exception, re-raised.
+    def result(self, step_number: int) -> StepOutput:
+        """Step ``step_number``'s sampled tokens and scores (waits for them), or its exception, re-raised.
 
         Results of older steps are thrown away: steps the host rolled back, or one whose wait was interrupted
         (Ctrl-C), would otherwise be taken for the steps after them.
@@ -70,7 +70,8 @@ class ForwardWorker:
             raise result.error  # with the worker's traceback
         if result.ready is not None:
             result.ready.synchronize()
-        return [SampledToken(token, found) for token, found in zip(result.tokens.tolist(), result.logprobs)]
+        sampled = [SampledToken(token, found) for token, found in zip(result.tokens.tolist(), result.logprobs)]
+        return StepOutput(sampled, result.prompt_logprobs)
 
     def _next_result(self) -> StepResult:
         while True:
@@ -93,7 +94,7 @@ class ForwardWorker:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
                 sampled = self.runner.execute(inputs)
                 tokens = sampled.tokens
-                result = StepResult(step_number, tokens, sampled.logprobs)
+                result = StepResult(step_number, tokens, sampled.logprobs, prompt_logprobs=sampled.prompt_logprobs)
                 if self.stream is not None:  # copy without waiting; the host waits on the event when it needs them
                     result.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
                     result.tokens.copy_(tokens, non_blocking=True)

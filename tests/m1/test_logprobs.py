@@ -101,6 +101,36 @@ def test_penalties_and_temperature_leave_the_logprobs_alone():
 
 
 @pytest.mark.parametrize("bad", [-1, 21])
-def test_logprobs_out_of_range_are_refused_with_the_range(bad):
-    with pytest.raises(ValueError, match=r"logprobs must be None or in \[0, 20\]"):
-        SamplingParams(logprobs=bad)
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
+def test_logprobs_out_of_range_are_refused_with_the_range(name, bad):
+    with pytest.raises(ValueError, match=rf"{name} must be None or in \[0, 20\]"):
+        SamplingParams(**{name: bad})
+
+
+def check_prompt_against(prompt: list[int], found: list, logits: torch.Tensor, k: int) -> None:
+    """The first prompt token has no score; token i's comes from the logits at position i - 1, as in check_against."""
+    assert found is not None and len(found) == len(prompt), (
+        f"{0 if found is None else len(found)} prompt entries for a prompt of {len(prompt)} tokens")
+    assert found[0] is None, "nothing comes before the first prompt token to predict it"
+    check_against(CompletionOutput(0, "", prompt[1:], None, found[1:]), logits[: len(prompt) - 1], k)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_prompt_logprobs_match_transformers(models, k):
+    """Every prompt token's log-probability given the tokens before it: lm-eval's loglikelihood reads these."""
+    hf, llm = models
+    for prompt in varied_prompts(8)[1:]:
+        params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k)
+        result = llm.generate(prompt, params, use_tqdm=False)[0]
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt])).logits[0]
+        check_prompt_against(prompt, result.prompt_logprobs, logits, k)
+        assert result.outputs[0].logprobs is None, "prompt_logprobs alone asks nothing of the generated tokens"
+
+
+def test_a_one_token_prompt_has_one_empty_score_and_none_unless_asked(models):
+    _, llm = models
+    asked, not_asked = llm.generate([[5], [5, 6, 7]], [SamplingParams(max_tokens=1, prompt_logprobs=2),
+                                                        SamplingParams(max_tokens=1)], use_tqdm=False)
+    assert asked.prompt_logprobs == [None]
+    assert not_asked.prompt_logprobs is None

@@ -189,3 +189,34 @@ def test_m4_matches_m3_on_the_bundled_model_with_a_shared_system_prompt():
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in ref]
     assert sum(o.num_cached_tokens for o in ours) > 0
     checked(llm)
+
+
+def test_a_request_asking_for_its_prompts_logprobs_computes_the_prompt_the_cache_holds(tiny_model_path):
+    """vLLM's rule: prompt_logprobs skip the prefix cache, so a cached prompt still has every token scored (a hit
+    would leave the cached tokens without a score); the prompt it computed then serves the requests after it."""
+    prompts, settings = shared_prefix_workload(3, prefix_len=70, seed=2)
+    settings[1]["prompt_logprobs"] = 2
+    reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), prompts, settings)
+    llm = m4.LLM(tiny_model_path, **LIMITS)
+    outs = [llm.generate(prompt, m4.SamplingParams(**s), use_tqdm=False)[0] for prompt, s in zip(prompts, settings)]
+    assert_same_outputs(completions(outs), reference)
+    block = llm.engine.config.block_size
+    cached = [out.num_cached_tokens for out in outs]
+    assert cached[1] == 0, f"the request asking for its prompt's log-probabilities took {cached[1]} cached tokens"
+    assert cached[2] >= 70 // block * block, f"the request after it took {cached[2]} of the 70 shared tokens"
+    checked(llm)
+
+
+def test_the_samples_of_one_prompt_share_it_through_the_cache(tiny_model_path):
+    """n samples of a 70-token prompt: the first computes it, the others wait for it and find it cached."""
+    prompts, settings = shared_prefix_workload(1, prefix_len=70, seed=3)
+    settings[0].update(n=4, temperature=1.0)
+    reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), prompts, settings)
+    llm = m4.LLM(tiny_model_path, **LIMITS)
+    assert_same_outputs(run(m4, llm, prompts, settings), reference)
+    block = llm.engine.config.block_size
+    cached = llm.engine.scheduler.num_cached_tokens
+    assert cached >= 3 * ((len(prompts[0]) - 1) // block * block), (
+        f"the 3 samples after the first found {cached} prompt tokens cached in all: each should find the whole "
+        "prompt but its last token, which the first sample computed")
+    checked(llm)

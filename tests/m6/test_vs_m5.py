@@ -17,7 +17,7 @@ import torch
 
 from milestones import m5, m6
 from milestones.trace import hidden_host_share
-from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.chain import assert_same_outputs, completions, mixed_workload, run
 from tests.conftest import needs_compiler
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
@@ -47,8 +47,7 @@ def stepped(llm, prompts, settings):
                 assert out.request_id not in finished, f"request {out.request_id} finished twice"
                 finished[out.request_id] = out
         engine.check_integrity()
-    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text, o.outputs[0].logprobs)
-            for o in (finished[i] for i in ids)]
+    return completions([finished[i] for i in ids])
 
 
 def assert_all_blocks_returned(llm):
@@ -98,7 +97,7 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
     reference = run(m5, m5.LLM(tiny_model_path, **small_blocks), prompts, greedy)
     # Stop on a token, and on a string, taken from the middle of what each request generates.
     settings = []
-    for i, (tokens, _, text, _) in enumerate(reference):
+    for i, (tokens, _, text, *_) in enumerate(reference):
         if i % 3 == 1:
             settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
         elif i % 3 == 2 and len(text) > 4:
@@ -169,8 +168,7 @@ def test_abort_while_a_step_is_in_flight(tiny_model_path, mixed, mixed_reference
         assert victim is not None and victim not in finished
         for request_id, expected in zip(ids, mixed_reference):
             if request_id != victim:
-                out = finished[request_id].outputs[0]
-                assert_same_outputs([(out.token_ids, out.finish_reason, out.text, out.logprobs)], [expected])
+                assert_same_outputs(completions([finished[request_id]]), [expected])
         assert_all_blocks_returned(llm)
 
 
@@ -224,8 +222,7 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()
         assert failures == 1
-        assert_same_outputs([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
-                              o.outputs[0].logprobs) for o in (finished[i] for i in ids)], mixed_reference)
+        assert_same_outputs(completions([finished[i] for i in ids]), mixed_reference)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -276,8 +273,7 @@ def test_an_interrupted_wait_loses_no_step(tiny_model_path, mixed, mixed_referen
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()
         assert interruptions == 1
-        assert_same_outputs([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
-                              o.outputs[0].logprobs) for o in (finished[i] for i in ids)], mixed_reference)
+        assert_same_outputs(completions([finished[i] for i in ids]), mixed_reference)
 
 
 class InterruptedOnce:

@@ -19,7 +19,7 @@ from milestones import m6, m7
 from milestones.m7.config import default_capture_sizes
 from milestones.m7.proposer import NgramProposer
 from milestones.m7.step import DecodeInputs
-from tests.chain import Completion, assert_same_outputs, mixed_workload, run
+from tests.chain import Completion, assert_same_outputs, completions, mixed_workload, run
 from tests.conftest import needs_compiler
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24, enforce_eager=True)
@@ -40,7 +40,8 @@ class OracleProposer(NgramProposer):
 
 def speculating(llm, prompts, reference: list[Completion]):
     """``llm`` (m7) with the oracle proposer in place of the ngram one."""
-    futures = tuple(tuple(p) + tuple(c.token_ids) for p, c in zip(prompts, reference))
+    futures = tuple(tuple(p) + tuple(sample.token_ids) for p, c in zip(prompts, reference)
+                    for sample in (Completion(*c).samples or [c]))  # each of a request's n samples
     llm.engine.scheduler.proposer = OracleProposer(1, 1, futures)
     return llm
 
@@ -144,7 +145,7 @@ def test_every_stop_rule_inside_an_accepted_run(tiny_model_path):
     greedy = [dict(s, temperature=0, max_tokens=30, ignore_eos=True) for s in greedy]
     base = run(m6, m6.LLM(tiny_model_path, **LIMITS), prompts, greedy)
     settings = []
-    for i, (tokens, _, text, _) in enumerate(base):
+    for i, (tokens, _, text, *_) in enumerate(base):
         if i % 3 == 1:
             settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
         elif i % 3 == 2 and len(text) > 4:
@@ -251,5 +252,4 @@ def test_a_failed_step_with_guesses_is_undone(tiny_model_path, workload, referen
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()  # no request holds blocks past its tokens after the undo
         assert failures == 1
-        assert_same_outputs([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text,
-                              o.outputs[0].logprobs) for o in (finished[i] for i in ids)], reference)
+        assert_same_outputs(completions([finished[i] for i in ids]), reference)
