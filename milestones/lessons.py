@@ -113,12 +113,14 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "depends on the request's seed and the token's position alone",
              (Exercise("sampler.py", "sample", ("Sampler.__call__",),
                        "return a list of `SampledToken(token_id, logprobs)`, one per row of logits [rows, vocab]. "
-                       "First `self.apply_penalties(logits, seqs)` (keep the model's own logits for the "
-                       "log-probabilities); then a greedy row (`seq.params.greedy`) takes its argmax; the other rows "
+                       "First `logits = self.apply_grammars(logits, seqs)` (structured requests: their format's tokens "
+                       "only), then `self.apply_penalties(logits, seqs)` (keep the logits from before the penalties "
+                       "for the log-probabilities); then a greedy row (`seq.params.greedy`) takes its argmax; the "
+                       "other rows "
                        "divide their logits by their temperature, go through self.filtered_probs together, and each "
                        "takes `argmax(probs / noise)` with its own `self.exponential_noise(seq, vocab)`; each row's "
-                       "logprobs are `self.logprobs(model_logits, seqs, token_ids)`'s: the tests recompute every "
-                       "row's token."),
+                       "logprobs are `self.logprobs(model_logits, seqs, token_ids)`'s, after "
+                       "`self.advance_grammars(seqs, token_ids)`: the tests recompute every row's token."),
               Exercise("sampler.py", "penalties", ("Sampler.apply_penalties",),
                        "for each row whose `seq.params.has_penalties`: the repetition penalty on every token of the "
                        "prompt or the output (a positive logit divided by it, a negative one multiplied), then minus "
@@ -402,7 +404,10 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "it, "
                        "`self._drop_pending_tokens(seq)` and `self.scheduler.finish(seq)`; append "
                        "`RequestOutput.from_sequence(seq)`. Record `self.tracer.record(\"process\", start, "
-                       "launched.number, len(launched.seqs))` and return the outputs."),)),
+                       "launched.number, len(launched.seqs))` and return the outputs; before that, the samples a "
+                       "request with n > 1 held back go to the scheduler "
+                       "(`for seq in self.parents.release_held(outputs): self.scheduler.add(seq)`), and the outputs "
+                       "go back through `self.parents.merge(outputs)`."),)),
         contract("m6"),
     ),
     # --8<-- [end:m6]

@@ -6,6 +6,7 @@ the engine's outputs to an ``Answer``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,8 @@ from typing import Any
 # OpenAI's parameters this server honours (`user`, `store` and `metadata` are bookkeeping, accepted and unused); any
 # other is refused, rather than silently ignored, unless it holds the value that asks for nothing (NO_OPS).
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options", "n",
-          "ignore_eos", "user", "store", "metadata", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+          "ignore_eos", "user", "store", "metadata", "presence_penalty", "frequency_penalty", "repetition_penalty",
+          "response_format"}
 # logprobs: how many of the likeliest tokens to return; echo: the prompt first (with its log-probabilities, if asked)
 COMPLETION_KEYS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}  # a flag, and how many
@@ -31,7 +33,6 @@ NO_OPS = {
     "suffix": ("",),
     "tools": ([],),
     "tool_choice": ("none",),
-    "response_format": ({"type": "text"},),
 }
 ALWAYS_NO_OP = {"parallel_tool_calls", "service_tier"}  # meaningless without tools / a choice of service tiers
 # --8<-- [end:no_ops]
@@ -92,6 +93,7 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
     if echo and settings["logprobs"] is not None:  # lm-eval's loglikelihood: the prompt's tokens scored
         settings["prompt_logprobs"] = settings["logprobs"]
     try:
+        settings["structured_outputs"] = structured_outputs(body.get("response_format"), sampling_params)
         params = sampling_params(max_tokens=max_tokens, **settings)
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
@@ -111,6 +113,22 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
     if top not in (None, 0) and not flag:
         raise BadRequest("top_logprobs needs logprobs: true")
     return (0 if top is None else top) if flag else None
+
+
+def structured_outputs(response_format: object, sampling_params: type) -> Any:
+    """OpenAI's response_format as the engine's StructuredOutputsParams (None: plain text)."""
+    if response_format is None or response_format == {"type": "text"}:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    structured = importlib.import_module(sampling_params.__module__).StructuredOutputsParams  # the milestone's own
+    if kind == "json_object":
+        return structured(json_object=True)
+    if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
+        schema = response_format["json_schema"].get("schema")
+        if isinstance(schema, dict):
+            return structured(json=schema)
+    raise BadRequest('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+                     '"json_schema": {"name": ..., "schema": {...}}}')
 
 
 def _same(given: object, value: object) -> bool:

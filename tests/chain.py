@@ -13,6 +13,14 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
+# The formats of the workload's structured requests, as StructuredOutputsParams' arguments (``run`` builds them).
+STRUCTURED = (
+    {"regex": "[0-9]{3}-[0-9]{4}"},
+    {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+              "required": ["ok", "n"], "additionalProperties": False}},
+    {"choice": ["red", "green", "blue sky"]},
+)
+
 
 def mixed_workload(num_requests: int, seed: int, max_prompt: int, max_output: int):
     """Prompts of varied lengths (real token ids drawn from the vocabulary) and a mix of sampling settings."""
@@ -42,6 +50,8 @@ def mixed_workload(num_requests: int, seed: int, max_prompt: int, max_output: in
             settings.update(prompt_logprobs=i % 4)
         if i % 7 == 4:  # several samples of the prompt: a request each (m4 on, sharing the prompt's blocks)
             settings.update(n=2 + i % 2)
+        if i % 9 == 7:  # a structured output (its grammar masks the logits; it ends with EOS, never ignored)
+            settings.update(structured_outputs=STRUCTURED[(i // 9) % len(STRUCTURED)], ignore_eos=False)
         params.append(settings)
     return prompts, params
 

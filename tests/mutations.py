@@ -145,6 +145,12 @@ CATALOGUE = (
         "the samples held back while the first computes the prompt are never scheduled",
     ),
     Mutation(
+        "m1-grammar-never-advanced", "milestones/m1/sampler.py",
+        "        self.advance_grammars(seqs, token_ids)\n", "",
+        ("tests/m1/test_structured_output.py::test_every_token_is_one_the_grammar_accepts",),
+        "the grammar never reads the tokens picked, so every step masks as if the output had just begun",
+    ),
+    Mutation(
         "m3-slot-off-by-one", "milestones/m3/model_runner.py",
         "table[p // block_size] * block_size + p % block_size for p in range(start, end)",
         "table[p // block_size] * block_size + (p + 1) % block_size for p in range(start, end)",
@@ -413,6 +419,19 @@ CATALOGUE = (
         "a wait interrupted by Ctrl-C (a BaseException) leaves the step booked: its future ids stay in the requests",
     ),
     Mutation(
+        "m6-mask-not-applied", "milestones/m6/model_runner.py",
+        "logits = self.sampler.apply_grammars(self.compute_logits(hidden), step.samples)",
+        "logits = self.compute_logits(hidden)",
+        ("tests/m6/test_vs_m5.py::test_m6_matches_m5_on_a_mixed_workload",),
+        "m6 moves the mask out of the sampler's call and forgets to apply it in the runner",
+    ),
+    Mutation(
+        "m7-guesses-for-structured-requests", "milestones/m7/proposer.py",
+        "    if seq.grammar is not None:\n        return 0", "    if False:\n        return 0",
+        ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
+        "structured requests get guesses, whose rows the grammar cannot mask without reading the guesses first",
+    ),
+    Mutation(
         "m7-ngram-shortest-first", "milestones/m7/proposer.py",
         "        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):",
         "        for n in range(self.min_n, min(self.max_n, length - 1) + 1):",
@@ -461,8 +480,8 @@ CATALOGUE = (
     ),
     Mutation(
         "m7-one-noise-per-step", "milestones/m7/step.py",
-        "return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, guess)",
-        "return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output, guess)",
+        "return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess)",
+        "return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output, seq.grammar, guess)",
         ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
         "every row of a request draws the noise of its first, not of the position it samples",
     ),

@@ -9,9 +9,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only for type hints
+    from .structured_output import Grammar
 
 
 class SequenceStatus(Enum):
@@ -67,6 +71,7 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # one per output token, if asked for
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # one per prompt token, if asked
+    grammar: Grammar | None = None  # structured_outputs: what the output may be, and how much of it was read
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

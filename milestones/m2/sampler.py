@@ -12,6 +12,7 @@ half-advanced.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from milestones.transfer import to_device
@@ -28,6 +29,7 @@ class Sampler:
     # --8<-- [start:sample]
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: [len(seqs), vocab] in fp32, one row per sequence."""
+        logits = self.apply_grammars(logits, seqs)  # structured requests: their format's tokens only
         model_logits, logits = logits, self.apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
@@ -39,9 +41,35 @@ class Sampler:
             noise = torch.stack([self.exponential_noise(s, probs.shape[-1]) for s in sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
         token_ids = tokens.tolist()
+        self.advance_grammars(seqs, token_ids)
         logprobs = self.logprobs(model_logits, seqs, token_ids)
         return [SampledToken(token, found) for token, found in zip(token_ids, logprobs)]
     # --8<-- [end:sample]
+
+    # --8<-- [start:grammars]
+    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Rows of structured requests keep the logits of the tokens their grammar accepts next, the others become
+        -inf (and so do their log-probabilities, as in vLLM). Returns new logits, or the same tensor when no row has a
+        grammar."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return logits
+        vocab = logits.shape[-1]
+        allowed = torch.ones(logits.shape, dtype=torch.bool)  # rows without a grammar allow every token
+        for i in rows:
+            grammar = seqs[i].grammar
+            grammar.rewind(seqs[i].num_tokens - len(seqs[i].prompt_token_ids))  # a step undone may have run ahead
+            bits = np.unpackbits(np.frombuffer(grammar.allowed(), dtype=np.uint8), bitorder="little")  # token t: bit t
+            allowed[i] = torch.from_numpy(bits[:vocab].astype(bool))
+        return logits.masked_fill(~allowed.to(self.device), float("-inf"))
+
+    @staticmethod
+    def advance_grammars(seqs: list[Sequence], tokens: list[int]) -> None:
+        """Each grammar reads the token picked under its mask: the next step's mask follows from it."""
+        for seq, token in zip(seqs, tokens):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+    # --8<-- [end:grammars]
 
     # --8<-- [start:logprobs]
     def logprobs(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -137,6 +165,8 @@ def ranked_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -
     for k, token, value, rank, top_ids, top_values in columns:
         ranked = {token: Logprob(value, rank)}
         for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
+            if top_value == float("-inf"):
+                break  # a token a grammar masked: not among the likeliest, it cannot be picked at all
             ranked.setdefault(top_id, Logprob(top_value, place))
         found.append(ranked)
     return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -33,6 +34,9 @@ class SamplingParams:
       computes its whole prompt: it takes nothing from a prefix cache (m4 on).
     * ``n`` samples of the prompt come back as ``n`` completions of one output; with a
       seed, sample i is what the request alone would give with ``seed + i``.
+    * ``structured_outputs`` holds the output to a format (``StructuredOutputsParams``, or
+      a dict of its arguments): at every step, tokens that would break it are masked
+      before sampling.
 
     Frozen, so a request cannot be changed under the engine after it was checked:
     ``dataclasses.replace(params, top_k=50)`` makes a changed copy, checked again.
@@ -53,6 +57,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalised values are stored with object.__setattr__, once, here.
@@ -60,6 +65,11 @@ class SamplingParams:
             _set(self, name, _as_real(name, getattr(self, name)))
         _set(self, "top_k", _as_int("top_k", self.top_k))
         _set(self, "n", _as_int("n", self.n))
+        if isinstance(self.structured_outputs, dict):  # {"regex": ...} is accepted, and stored as what it says
+            unknown = set(self.structured_outputs) - {"json", "json_object", "regex", "choice"}
+            if unknown:
+                raise ValueError(f"structured_outputs takes json, json_object, regex or choice, not {sorted(unknown)}")
+            _set(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):  # None is meaningful for these
             value = getattr(self, name)
             _set(self, name, None if value is None else _as_int(name, value))
@@ -77,6 +87,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its arguments (json, "
+                             f"json_object, regex or choice), got {self.structured_outputs!r:.60}")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos=True cannot go with structured_outputs: a structured output ends where its "
+                             "format does, with the end-of-sequence token")
         if self.n < 1:
             raise ValueError(f"n must be an integer >= 1 (how many samples of the prompt), got {self.n!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -111,7 +127,37 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
-def _set(params: SamplingParams, name: str, value: object) -> None:
+@dataclass(slots=True, frozen=True)
+class StructuredOutputsParams:
+    """The format a request's output must take (vLLM's names), exactly one of: a JSON schema (``json``, as text or a
+    dict), any JSON object (``json_object=True``), a regular expression (``regex``), or one of a list of strings
+    (``choice``)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            _set(self, "json", json.dumps(self.json))  # text, its properties in their order: what the compiler reads
+        if self.choice is not None:
+            _set(self, "choice", _as_tuple("choice", self.choice, "a list of strings"))
+        given = [self.json is not None, self.json_object is not False, self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json (a schema), json_object=True, regex or "
+                             f"choice; got {self!r:.100}")
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError(f"json must be a JSON schema, as a dict or as text, got {self.json!r:.60}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex must be a non-empty string, got {self.regex!r:.60}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.60}")
+
+
+def _set(params: SamplingParams | StructuredOutputsParams, name: str, value: object) -> None:
     """Store a normalised value in the frozen dataclass (only while it is being constructed)."""
     object.__setattr__(params, name, value)
 

@@ -30,6 +30,7 @@ from .prompts import Prompt, eos_token_ids, tokenize_prompt
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .structured_output import StructuredOutputManager
 
 
 # --8<-- [start:serialized]
@@ -54,6 +55,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config)
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.parents = ParentRequests()  # requests with n > 1, each made of a child request per sample
         self.num_steps = 0
         self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
@@ -98,6 +100,7 @@ class LLMEngine:
             params=params,
             seed=params.seed if params.seed is not None else self._seeds.getrandbits(63),
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
+            grammar=self.structured.grammar(params.structured_outputs) if params.structured_outputs else None,
         )
 
     def _in_use(self, request_id: str) -> bool:

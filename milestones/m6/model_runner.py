@@ -120,7 +120,7 @@ class ModelRunner:
             hidden = hidden[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
             return StepSamples(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
-        logits = self.compute_logits(hidden)
+        logits = self.sampler.apply_grammars(self.compute_logits(hidden), step.samples)  # structured: the format's only
         tokens = self.sampler(logits, step.samples)
         self.future_map.store(step.future_ids, tokens)
         return StepSamples(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)

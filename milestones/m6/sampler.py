@@ -12,6 +12,7 @@ half-advanced.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from milestones.transfer import to_device
@@ -40,8 +41,38 @@ class Sampler:
             probs = self.filtered_probs(logits[index] / temperature[:, None], sampled)
             noise = torch.stack([self.exponential_noise(s, probs.shape[-1]) for s in sampled])
             tokens[index] = (probs / noise).argmax(dim=-1)
+        self.advance_grammars(seqs, tokens)
         return tokens
     # --8<-- [end:sample]
+
+    # --8<-- [start:grammars]
+    def apply_grammars(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+        """Rows of structured requests keep the logits of the tokens their grammar accepts next, the others become
+        -inf (and so do their log-probabilities, as in vLLM). Returns new logits, or the same tensor when no row has a
+        grammar. m6: the runner calls it, so that the log-probabilities it reads are of the masked logits too."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if not rows:
+            return logits
+        vocab = logits.shape[-1]
+        allowed = torch.ones(logits.shape, dtype=torch.bool)  # rows without a grammar allow every token
+        for i in rows:
+            grammar = seqs[i].grammar
+            grammar.rewind(seqs[i].num_tokens - len(seqs[i].prompt_token_ids))  # a step undone may have run ahead
+            bits = np.unpackbits(np.frombuffer(grammar.allowed(), dtype=np.uint8), bitorder="little")  # token t: bit t
+            allowed[i] = torch.from_numpy(bits[:vocab].astype(bool))
+        return logits.masked_fill(~allowed.to(self.device), float("-inf"))
+
+    @staticmethod
+    def advance_grammars(seqs: list[SamplingRow], tokens: torch.Tensor) -> None:
+        """Each grammar reads the token picked under its mask: the next step's mask follows from it. m6: here, on the
+        worker, so that the mask is ready when the next step samples; reading the tokens waits for the step, only in
+        steps with a structured request."""
+        if all(seq.grammar is None for seq in seqs):
+            return
+        for seq, token in zip(seqs, tokens.tolist()):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+    # --8<-- [end:grammars]
 
     # --8<-- [start:penalties]
     def apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
@@ -139,6 +170,8 @@ def ranked_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -
     for k, token, value, rank, top_ids, top_values in columns:
         ranked = {token: Logprob(value, rank)}
         for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
+            if top_value == float("-inf"):
+                break  # a token a grammar masked: not among the likeliest, it cannot be picked at all
             ranked.setdefault(top_id, Logprob(top_value, place))
         found.append(ranked)
     return found

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # only for type hints
 
     from .attention import RequestSpan
     from .sampling_params import SamplingParams
+    from .structured_output import Grammar
 
 
 @dataclass(slots=True)
@@ -90,12 +91,13 @@ class SamplingRow:
     num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
     prompt_token_ids: list[int]  # penalties read these two: the prompt's tokens, never changed after arrival,
     output_token_ids: tuple[int, ...] = ()  # and a copy of the output's (with penalties only), maybe ending in a future
+    grammar: Grammar | None = None  # structured_outputs: the request's own, which the worker's sampler advances
 
     @classmethod
     def of(cls, seq: Sequence) -> SamplingRow:
         # the output so far, the token still on the device included (its future id): not seq.output_token_ids
         output = tuple(seq.token_ids[seq.num_prompt_tokens :]) if seq.params.has_penalties else ()
-        return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output)
+        return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output, seq.grammar)
 
 
 @dataclass(slots=True)

@@ -37,6 +37,7 @@ class DraftView:
     seed: int
     prompt_token_ids: list[int]  # the penalties' history starts after these, as the target's does
     draft_token_ids: list[int] = field(default_factory=list)  # always empty: the draft checks no guesses of its own
+    grammar: None = None  # never: a structured request gets no guesses
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -55,6 +55,8 @@ def guess_room(seq: Sequence, max_model_len: int) -> int:
     """How many tokens a request may guess in its next step: at most its lookahead, and never past its last token."""
     if seq.num_tokens - seq.num_computed_tokens != 1 or seq.num_pending_tokens:
         return 0  # in the middle of its prompt, or its latest token is not known yet
+    if seq.grammar is not None:
+        return 0  # structured output: a guess row's mask would need the grammar to read the guesses before it
     end = max_model_len if seq.params.max_tokens is None else seq.num_prompt_tokens + seq.params.max_tokens
     room = min(end, max_model_len) - seq.num_tokens - 1  # the step also samples the token after the guesses
     lookahead = seq.num_lookahead or int(seq.num_output_tokens % PROBE_INTERVAL == 0)  # stopped: a probe now and then

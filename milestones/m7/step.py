@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # only for type hints
 
     from .attention import RequestSpan
     from .sampling_params import SamplingParams
+    from .structured_output import Grammar
 
 
 @dataclass(slots=True)
@@ -90,6 +91,7 @@ class SamplingRow:
     num_tokens: int  # tokens before the one this row samples: with the seed, it fixes the noise
     prompt_token_ids: list[int]  # penalties read these two: the prompt's tokens, never changed after arrival,
     output_token_ids: tuple[int, ...] = ()  # and a copy of the output's (with penalties only), maybe ending in a future
+    grammar: Grammar | None = None  # structured_outputs: the request's own, which the worker's sampler advances
     guess: int | None = None  # m7, acceptance "rejection": the guess this row's pick decides on (None: pick freely)
 
     @classmethod
@@ -102,7 +104,7 @@ class SamplingRow:
         output = ()  # m7: a guess row's history holds the guesses before it, as if they were accepted
         if seq.params.has_penalties:
             output = tuple((seq.token_ids + seq.draft_token_ids)[seq.num_prompt_tokens : position + 1])
-        return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, guess)
+        return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess)
 
 
 @dataclass(slots=True)

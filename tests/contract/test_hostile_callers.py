@@ -261,11 +261,15 @@ def test_a_failed_step_does_not_advance_a_seeded_request(mod, tiny_llm, referenc
         engine.step()
     real_sampler = engine.runner.sampler
 
-    def sample_then_fail(*args, **kwargs):
-        real_sampler(*args, **kwargs)  # the random numbers are drawn ...
-        raise InjectedFault("... and then the device reports an error")
+    class SampleThenFail:  # the sampler in every other respect (m6's runner masks logits with it first)
+        def __getattr__(self, name):
+            return getattr(real_sampler, name)
 
-    monkeypatch.setattr(engine.runner, "sampler", sample_then_fail)
+        def __call__(self, *args, **kwargs):
+            real_sampler(*args, **kwargs)  # the random numbers are drawn ...
+            raise InjectedFault("... and then the device reports an error")
+
+    monkeypatch.setattr(engine.runner, "sampler", SampleThenFail())
     with pytest.raises(InjectedFault):
         engine.step()
     monkeypatch.undo()

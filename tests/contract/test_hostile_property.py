@@ -60,6 +60,11 @@ sampling_values = st.fixed_dictionaries(
         "frequency_penalty": st.one_of(st.floats(-3, 3), st.sampled_from([float("nan"), "1"])),
         "repetition_penalty": st.one_of(st.floats(-1, 3), st.sampled_from([0, float("nan"), True])),
         "logprobs": st.one_of(st.none(), st.integers(-2, 25), st.sampled_from([True, 2.5])),
+        "prompt_logprobs": st.one_of(st.none(), st.integers(-2, 25), st.sampled_from([True, 2.5])),
+        "n": st.one_of(st.integers(-1, 3), st.sampled_from([True, 2.5, "2"])),
+        "structured_outputs": st.sampled_from([None, {"regex": "[0-9]{2}"}, {"choice": ["a", "b c"]},
+                                               {"json_object": True}, {"json": {"type": "frob"}}, {"regex": ""},
+                                               {"regex": "(unclosed"}, {"rgx": "a"}, "json", {}]),
     },
 )
 request_ids = st.one_of(st.none(), st.sampled_from(["0", "1", "2", "mine", UNKNOWN_ID]))

@@ -99,7 +99,7 @@ def test_m3_matches_m2_on_the_bundled_model():
     prompts[:3] = ["Tell me about the ocean.", "What is 12 times 7?", "Write a limerick about a cat."]
     limits = dict(device="cpu", max_model_len=192, max_num_seqs=6, max_num_batched_tokens=48)
     reference = run(m2, m2.LLM(**limits), prompts, settings)
-    llm = m3.LLM(block_size=16, num_kv_blocks=12, **limits)  # the longest request needs 8 blocks
+    llm = m3.LLM(block_size=16, num_kv_blocks=10, **limits)  # the longest request needs 8 blocks: some wait
     assert_same_outputs(run(m3, llm, prompts, settings), reference)
     assert llm.engine.kv_usage()["num_preemptions"] > 0
 
