@@ -272,6 +272,17 @@ def test_the_no_op_options_clients_send_are_accepted(served):
     assert response.json()["choices"][0]["message"]["content"] == chat.outputs[0].text  # text parts read as text
 
 
+def test_lm_eval_chat_generation_body_is_served(served):
+    """What lm-eval's local-chat-completions sends for a generation task (its _create_payload, 0.4.13)."""
+    url, _, _, chat = served
+    body = {"messages": [{"role": "user", "content": "Hello there"}], "model": "tiny", "max_tokens": 12,
+            "temperature": 0, "stop": ["\n\n", "Question:"], "seed": 1234}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert chat.outputs[0].text.startswith(choice["message"]["content"])  # the same tokens, up to a stop string
+
+
 def test_an_assistant_turn_without_content_is_an_empty_turn(served):
     url, _, _, _ = served
     turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "Go"}]
