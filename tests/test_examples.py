@@ -301,6 +301,17 @@ def summary_value(out: str, name: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.real_model
+def test_structured_output_cost_measures_the_grammar_and_the_sampler(bundled_model_path):
+    """The figures behind the choice of llguidance (docs/benchmarks.md): its rows, and the engine's own mask."""
+    pytest.importorskip("llguidance", reason="structured output needs llguidance (requirements.txt)")
+    out = run_script("examples/structured_output_cost.py", "--rounds", "1").stdout
+    for fmt in ("json_schema", "json_object"):
+        assert re.search(rf"^{fmt} +llguidance +compile +[\d.]+ ms +per token \(mask \+ read\) +[\d.]+ us", out,
+                         re.MULTILINE), out
+    assert re.search(r"the engine's sampler, json_schema, one row of 49152 logits: \d+ us per token", out), out
+
+
 def test_bench_quickstart(tiny_model_path):
     out = run_script("examples/bench_quickstart.py", str(tiny_model_path)).stdout
     speeds = re.findall(r"^(m1|m2): 256 output tokens in [\d.]+ s = ([\d.]+) tokens/s$", out, re.M)

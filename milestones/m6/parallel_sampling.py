@@ -97,6 +97,8 @@ class ParentRequests:
     def release_held(self, outputs: list[RequestOutput]) -> list[Sequence]:
         """m4: the samples held back by each parent whose first sample has an output among these: its prompt is
         computed, so they will find it in the prefix cache."""
+        if not self.by_child:
+            return []
         released = []
         for out in outputs:
             parent = self.by_child.get(out.request_id)
@@ -119,19 +121,20 @@ class ParentRequests:
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The step's outputs with the children's replaced by their parents': one per parent, where its first child
         stood; a finished parent is forgotten."""
-        merged: list[RequestOutput | ParentRequest] = []
+        if not self.by_child:  # no request has n > 1: every step but those of such requests
+            return outputs
+        merged: dict[str, RequestOutput | ParentRequest] = {}  # by request id, in the order of the outputs
         for out in outputs:
             parent = self.by_child.get(out.request_id)
             if parent is None:
-                merged.append(out)
-                continue
-            if not any(item is parent for item in merged):
-                merged.append(parent)
-            parent.latest[out.request_id] = out
-        for item in merged:
+                merged[out.request_id] = out
+            else:
+                parent.latest[out.request_id] = out
+                merged.setdefault(parent.request_id, parent)
+        for item in merged.values():
             if isinstance(item, ParentRequest) and item.finished:
                 self.forget(item)
-        return [item.output() if isinstance(item, ParentRequest) else item for item in merged]
+        return [item.output() if isinstance(item, ParentRequest) else item for item in merged.values()]
     # --8<-- [end:merge]
 
     def forget(self, parent: ParentRequest) -> None:
