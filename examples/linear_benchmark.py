@@ -14,6 +14,12 @@ For each weight shape ([out, in]) and number of rows it times, in one process:
 
 and reports the median of --reps calls after a warm-up. A row that cannot run here
 (no oneDNN bfloat16, no compiler) is left out, with the reason.
+
+With --stream-layers N it then reads a whole model's weights the way a batch-1 decode
+step does: the shapes N times over (the layers) and the last shape once more (the head),
+one row through each, in float32 and bfloat16 through the compiled kernel, from ordinary
+memory and from memory backed by 2 MiB pages (``milestones/kernels/huge_pages.py``),
+the rounds interleaved: the median pass and the bandwidth it reaches.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from pathlib import Path
 from _common import HelpFormatter
 
 SHAPES = "1536x576,576x1536,576x576,49152x576"  # SmolLM2-135M: gate/up, down, q/o, the LM head
+LAYER_SHAPES = "576x576,192x576,192x576,576x576,1536x576,1536x576,576x1536,49152x576"  # q k v o gate up down, head
 
 
 def shape_list(text: str) -> list[tuple[int, int]]:
@@ -55,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,4,16,64,256", help="rows per call (tokens in a step), comma-separated")
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's choice")
+    p.add_argument("--stream-layers", type=int, default=0,
+                   help="also stream --stream-shapes this many times over, then the last shape once, at one row")
+    p.add_argument("--stream-shapes", type=shape_list, default=LAYER_SHAPES,
+                   help="one layer's weights in the order a step reads them, the LM head last")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",")]
@@ -104,14 +115,52 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"out_features": out_features, "in_features": in_features, "rows": m, "ms": timings})
             line = "  ".join(f"{name} {ms:8.3f}" for name, ms in timings.items())
             print(f"{out_features:6d}x{in_features:<5d} rows {m:4d}  ms: {line}", flush=True)
+    stream = []
+    if args.stream_layers and "fp32-cpp" not in skipped:
+        stream = stream_model(args.stream_shapes, args.stream_layers, args.reps)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         command = " ".join(["examples/linear_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
         record = {"command": command, "machine": machine_info(torch.device("cpu")), "left_out": skipped,
-                  "results": results}
+                  "results": results, "stream": stream}
         args.out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
+
+
+def stream_model(shapes: list[tuple[int, int]], layers: int, reps: int) -> list[dict]:
+    """One batch-1 pass over a model's packed weights, from ordinary pages and from 2 MiB pages, interleaved."""
+    import torch
+
+    from milestones.kernels.huge_pages import move_to_huge_pages
+    from milestones.kernels.panel_linear import pack_weight
+
+    sequence = shapes[:-1] * layers + shapes[-1:]
+    op = torch.ops.milestones.panel_linear
+    rows = []
+    for dtype, name in ((torch.float32, "fp32-cpp"), (torch.bfloat16, "bf16-cpp")):
+        ordinary = [pack_weight(torch.randn(out, in_).to(dtype)) for out, in_ in sequence]
+        huge, advised = move_to_huge_pages(ordinary)
+        inputs = {in_: torch.randn(1, in_).to(dtype) for _, in_ in sequence}
+        num_bytes = sum(w.numel() * w.element_size() for w in ordinary)
+
+        def one_pass(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor] = inputs) -> None:
+            for (out, in_), weight in zip(sequence, weights):
+                op(inputs[in_], weight, None, out)
+
+        times: dict[str, list[float]] = {"4 KiB pages": [], "2 MiB pages": []}
+        with torch.inference_mode():
+            for _ in range(reps + 1):  # rounds interleaved; the first is a warm-up
+                for pages, weights in (("4 KiB pages", ordinary), ("2 MiB pages", huge)):
+                    times[pages].append(median_ms(functools.partial(one_pass, weights), 1))
+        for pages, ms in times.items():
+            median = statistics.median(ms[1:])
+            rows.append({"way": name, "pages": pages, "advised": advised, "calls": len(sequence),
+                         "megabytes": num_bytes / 1e6, "ms": median, "gb_per_s": num_bytes / median / 1e6})
+            print(f"stream {name} {len(sequence)} calls, {num_bytes / 1e6:.0f} MB from {pages}: {median:7.2f} ms, "
+                  f"{num_bytes / median / 1e6:5.1f} GB/s", flush=True)
+        del ordinary, huge
+    return rows
 
 
 if __name__ == "__main__":

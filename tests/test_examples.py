@@ -479,8 +479,8 @@ def test_a_benchmark_row_can_run_in_its_own_dtype(tiny_model_path, tmp_path):
     assert [r["dtype"] for r in results[2:]] == ["float32", "bfloat16"]
     fp32, bf16, hf_fp32, hf_bf16 = (r["bandwidth_fraction"] / r["output_tokens_per_s"] for r in results)
     assert bf16 == pytest.approx(fp32 / 2) and hf_bf16 == pytest.approx(hf_fp32 / 2)  # half the bytes per weight
-    # oneDNN's packed bfloat16 layers where the CPU has bfloat16 instructions, else the compiled kernel (if it builds)
-    fast_bf16 = onednn_available(torch.bfloat16) or HAS_KERNEL_TOOLCHAIN
+    # the compiled kernel if it builds, else oneDNN's packed bfloat16 layers where the CPU has bfloat16 instructions
+    fast_bf16 = HAS_KERNEL_TOOLCHAIN or onednn_available(torch.bfloat16)
     assert results[1]["packed_linear"] == fast_bf16, "m1 in bfloat16 takes the fast bfloat16 linear layers on a CPU"
 
 
@@ -546,7 +546,8 @@ def test_llama_cpp_rows_run_where_llama_cpp_is_installed(tmp_path):
 def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
     out = tmp_path / "linear.json"
     proc = run_script("examples/linear_benchmark.py", "--shapes", "40x24,20x16", "--rows", "1,7", "--reps", "1",
-                      "--threads", "1", "--out", str(out))
+                      "--threads", "1", "--stream-layers", "3", "--stream-shapes", "40x24,24x40,100x24",
+                      "--out", str(out))
     record = json.loads(out.read_text())
     assert [(r["out_features"], r["rows"]) for r in record["results"]] == [(40, 1), (40, 7), (20, 1), (20, 7)]
     ways = set(record["results"][0]["ms"])
@@ -554,6 +555,13 @@ def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
     assert ways | set(record["left_out"]) == {"fp32-torch", "bf16-torch", "fp32-onednn", "bf16-onednn", "fp32-cpp",
                                                "bf16-cpp"}
     assert "left out" in proc.stdout
+    if "fp32-cpp" in ways:  # a model's weights streamed: 3 layers of two shapes, then the head, in both kinds of page
+        stream = {(row["way"], row["pages"]): row for row in record["stream"]}
+        assert set(stream) == {(way, pages) for way in ("fp32-cpp", "bf16-cpp") for pages in ("4 KiB pages",
+                                                                                               "2 MiB pages")}
+        assert all(row["calls"] == 7 and row["ms"] > 0 for row in stream.values())
+        packed = 3 * (48 * 24 + 32 * 40) + 112 * 24  # outputs padded to whole panels of 16
+        assert stream["fp32-cpp", "2 MiB pages"]["megabytes"] == packed * 4 / 1e6
 
 
 def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path):

@@ -24,7 +24,7 @@ from .panel_linear import DTYPES as PANEL_DTYPES
 from .panel_linear import PanelLinear
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
-LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, or in bfloat16 with bf16 instructions oneDNN
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, else torch
 
 __all__ = [
     "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "DecodeKernel", "PackedLinear", "PanelLinear", "check_attention_backend",

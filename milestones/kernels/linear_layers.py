@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import packed_linear, panel_linear
+from .huge_pages import move_to_huge_pages
 
 
 # --8<-- [start:swap]
@@ -30,16 +31,16 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
                            dtype: torch.dtype) -> nn.Module | None:
     """Swap the model's linear layers for this (already checked) ``linear_backend``'s; return the LM head to call.
 
-    None means the model was left as it is. On a CPU, ``"auto"`` takes the compiled kernel in
-    float32, and in bfloat16 where this CPU has no bfloat16 instructions; weights packed for
-    oneDNN in bfloat16 where it has them, and in float32 where the kernel cannot be built;
-    plain ``F.linear``, with a warning, where neither is there. ``"onednn"`` and ``"cpp"``
-    make a missing fast path an error.
+    None means the model was left as it is. On a CPU, ``"auto"`` takes the compiled kernel (on a
+    CPU with AVX-512 BF16 it multiplies bfloat16 with the bfloat16 dot product); weights packed
+    for oneDNN where the kernel cannot be built and oneDNN can pack this dtype; plain
+    ``F.linear``, with a warning, where neither is there. ``"onednn"`` and ``"cpp"`` make a
+    missing fast path an error.
     """
     if backend == "torch" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None  # the engine's config already refused "onednn" and "cpp" where they cannot run
     onednn = packed_linear.onednn_available(dtype)
-    if backend == "onednn" or (backend == "auto" and dtype == torch.bfloat16 and onednn):
+    if backend == "onednn":
         if not onednn:
             raise RuntimeError("this torch build lacks oneDNN's packed linear ops (torch.ops.mkldnn); "
                                "use linear_backend='cpp' or 'torch'")
@@ -54,4 +55,13 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
         fallback = "weights packed for oneDNN" if onednn else "plain F.linear"
         warnings.warn(f"C++ linear kernel unavailable ({error}); linear layers use {fallback}", stacklevel=2)
         return swap_linear_layers(model, packed_linear.PackedLinear) if onednn else None
-    return swap_linear_layers(model, panel_linear.PanelLinear)
+    return place_in_huge_pages(model, swap_linear_layers(model, panel_linear.PanelLinear))
+
+
+def place_in_huge_pages(model: nn.Module, head: panel_linear.PanelLinear) -> panel_linear.PanelLinear:
+    """Move the packed weights into 2 MiB pages in the order a step reads them (the layers, then the head); the head."""
+    layers = [module for module in model.model.modules() if isinstance(module, panel_linear.PanelLinear)] + [head]
+    weights, _ = move_to_huge_pages([layer.packed_weight for layer in layers])
+    for layer, weight in zip(layers, weights):
+        layer.packed_weight = weight
+    return head

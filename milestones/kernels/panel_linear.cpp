@@ -21,11 +21,18 @@
 // in its high half, so a shift left by 16 gives the 8 even columns as floats and a mask the 8 odd
 // ones, without shuffling.
 //
+// A CPU with AVX-512 BF16 (and a build for it, -march=native) has an instruction that does the
+// widening and two multiply-adds in one: vdpbf16ps takes 16 float32 sums, 32 bfloat16 weights and
+// 32 bfloat16 inputs and adds to each sum the products of one pair of k. There a bfloat16 weight
+// is packed in pairs, [panels, k / 2, 16 columns x 2 k], and the input stays bfloat16; every
+// output is summed pair by pair, in the instruction's own fixed order (flushing subnormal numbers
+// to zero, as it does), then rounded once to bfloat16.
+//
 // Every output is the sum of x[k] * w[k] for k = 0, 1, 2, ... in that order, in float32 (each
-// product fused into the sum), then the bias (and in bfloat16 one rounding). The number of rows,
-// the tiling and the thread do not change that order, so a row's result does not depend on the
-// batch it came in: a request gets the same numbers alone or among sixty others ("batch
-// invariant"). Built without -ffast-math, which would reorder sums.
+// product fused into the sum; with pairs, one pair of k after another), then the bias (and in
+// bfloat16 one rounding). The number of rows, the tiling and the thread do not change that order,
+// so a row's result does not depend on the batch it came in: a request gets the same numbers alone
+// or among sixty others ("batch invariant"). Built without -ffast-math, which would reorder sums.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -35,6 +42,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -150,6 +160,74 @@ void multiply(const float* x, int64_t m, int64_t k, const W* w_data, int64_t pan
   });
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool HAS_BF16_DOT = true;
+constexpr int PAIR_TILE_ROWS = 8;  // 8 rows x 2 panels: 16 sums of 16 floats in the 32 registers of AVX-512
+
+// --8<-- [start:pair_tile]
+// out[r][0:cols] = x[r] . panels for ROWS rows of x (bfloat16, `pairs` 32-bit words of two k each a row) against
+// PANELS consecutive panels packed in pairs ([pairs, 16 columns x 2 k], panel_stride apart).
+template <int ROWS, int PANELS>
+void multiply_pair_tile(const uint32_t* x, int64_t pairs, const c10::BFloat16* panels, int64_t panel_stride,
+                        float* out, int64_t out_stride, int64_t cols) {
+  __m512 sums[ROWS][PANELS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int p = 0; p < PANELS; ++p) sums[r][p] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i) {  // in order of pairs of k, whatever ROWS and PANELS are
+    for (int p = 0; p < PANELS; ++p) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(panels + p * panel_stride + i * 2 * PANEL);
+      for (int r = 0; r < ROWS; ++r)
+        sums[r][p] = _mm512_dpbf16_ps(sums[r][p], w, (__m512bh)_mm512_set1_epi32(x[r * pairs + i]));
+    }
+  }
+  alignas(64) float lanes[PANEL];
+  for (int r = 0; r < ROWS; ++r)
+    for (int p = 0; p < PANELS && p * PANEL < cols; ++p) {
+      _mm512_store_ps(lanes, sums[r][p]);
+      std::memcpy(out + r * out_stride + p * PANEL, lanes, sizeof(float) * std::min<int64_t>(PANEL, cols - p * PANEL));
+    }
+}
+// --8<-- [end:pair_tile]
+
+// multiply_pair_tile<rows, PANELS> for a number of rows known only at run time (1 to PAIR_TILE_ROWS).
+template <int PANELS, int ROWS = PAIR_TILE_ROWS>
+void multiply_pair_rows(const uint32_t* x, int64_t rows, int64_t pairs, const c10::BFloat16* panels, int64_t stride,
+                        float* out, int64_t n, int64_t cols) {
+  if constexpr (ROWS > 1)
+    if (rows < ROWS) return multiply_pair_rows<PANELS, ROWS - 1>(x, rows, pairs, panels, stride, out, n, cols);
+  multiply_pair_tile<ROWS, PANELS>(x, pairs, panels, stride, out, n, cols);
+}
+
+// Every row of x against PANELS consecutive panels (cols valid columns), in tiles of rows.
+template <int PANELS>
+void multiply_pair_panels(const uint32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* panels, int64_t stride,
+                          float* out, int64_t n, int64_t cols) {
+  for (int64_t r = 0; r < m; r += PAIR_TILE_ROWS)
+    multiply_pair_rows<PANELS>(x + r * pairs, std::min<int64_t>(PAIR_TILE_ROWS, m - r), pairs, panels, stride,
+                               out + r * n, n, cols);
+}
+
+// out = x W^T for bfloat16 pairs, the panels shared out among the threads: a single row four panels at a time
+// (memory-bound: eight sums under way), more rows two panels at a time (16 sums), the rest one.
+void multiply_pairs(const uint32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* w_data, int64_t panels,
+                    float* out, int64_t n) {
+  const int64_t stride = pairs * 2 * PANEL;
+  at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
+    int64_t p = first_panel;
+    const auto cols = [&](int64_t panel, int64_t count) { return std::min(n - panel * PANEL, count * PANEL); };
+    if (m == 1)
+      for (; p + 4 <= end_panel; p += 4)
+        multiply_pair_tile<1, 4>(x, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 4));
+    for (; p + 2 <= end_panel; p += 2)
+      multiply_pair_panels<2>(x, m, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 2));
+    for (; p < end_panel; ++p)
+      multiply_pair_panels<1>(x, m, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 1));
+  });
+}
+#else
+constexpr bool HAS_BF16_DOT = false;
+#endif
+
 }  // namespace
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::optional<torch::Tensor> bias,
@@ -159,33 +237,57 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::op
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
               "panel_linear takes x and weight both in float32 or both in bfloat16, got ", x.scalar_type(), " and ",
               dtype);
-  TORCH_CHECK(packed_weight.dim() == 3 && packed_weight.size(2) == PANEL && packed_weight.is_contiguous(),
-              "the weight must come packed by panel_linear.pack_weight: [panels, in_features, 16], contiguous");
-  const int64_t n = out_features, k = packed_weight.size(1), panels = packed_weight.size(0);
+  // bfloat16 packed in pairs of k: [panels, in_features / 2 rounded up, 32]; otherwise [panels, in_features, 16].
+  const bool paired = dtype == at::kBFloat16 && packed_weight.dim() == 3 && packed_weight.size(2) == 2 * PANEL;
+  TORCH_CHECK(packed_weight.dim() == 3 && (packed_weight.size(2) == PANEL || paired) && packed_weight.is_contiguous(),
+              "the weight must come packed by panel_linear.pack_weight: [panels, in_features, 16], or in bfloat16 "
+              "[panels, in_features / 2, 32] (pairs), contiguous");
+  TORCH_CHECK(!paired || HAS_BF16_DOT, "a weight packed in bfloat16 pairs needs a CPU with AVX-512 BF16 (this build "
+              "has none): pack it with panel_linear.pack_weight(weight, pairs=False)");
+  const int64_t n = out_features, panels = packed_weight.size(0);
+  const int64_t k = paired ? x.size(-1) : packed_weight.size(1);
   TORCH_CHECK(n > 0 && (n + PANEL - 1) / PANEL == panels, "out_features (", n, ") does not fit ", panels, " panels");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x's last dimension must be the weight's in_features (", k,
+  TORCH_CHECK(x.dim() >= 1 && (paired ? (k + 1) / 2 == packed_weight.size(1) : x.size(-1) == k),
+              "x's last dimension must be the weight's in_features (",
+              paired ? "packed in " + std::to_string(packed_weight.size(1)) + " pairs" : std::to_string(k),
               "), got ", x.size(-1));
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n),
               "the bias is a vector of out_features (", n, ") numbers in the weight's dtype");
 
-  const torch::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16: widened once
-  const int64_t m = rows.size(0);
-  torch::Tensor out = torch::empty({m, n}, rows.options());
-  const float* x_data = rows.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
-  if (dtype == at::kFloat)
-    multiply(x_data, m, k, packed_weight.data_ptr<float>(), panels, out_data, n);
-  else
-    multiply(x_data, m, k, packed_weight.data_ptr<c10::BFloat16>(), panels, out_data, n);
+  torch::Tensor out;
+  if (paired) {  // x stays bfloat16, each row padded to whole pairs of k
+#if defined(__AVX512BF16__)
+    torch::Tensor rows = x.reshape({-1, k}).contiguous();
+    if (k % 2) rows = torch::constant_pad_nd(rows, {0, 1});
+    const int64_t m = rows.size(0);
+    out = torch::empty({m, n}, rows.options().dtype(at::kFloat));
+    multiply_pairs(reinterpret_cast<const uint32_t*>(rows.data_ptr<c10::BFloat16>()), m, (k + 1) / 2,
+                   packed_weight.data_ptr<c10::BFloat16>(), panels, out.data_ptr<float>(), n);
+#endif
+  } else {
+    const torch::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16: widened once
+    const int64_t m = rows.size(0);
+    out = torch::empty({m, n}, rows.options());
+    const float* x_data = rows.data_ptr<float>();
+    float* out_data = out.data_ptr<float>();
+    if (dtype == at::kFloat)
+      multiply(x_data, m, k, packed_weight.data_ptr<float>(), panels, out_data, n);
+    else
+      multiply(x_data, m, k, packed_weight.data_ptr<c10::BFloat16>(), panels, out_data, n);
+  }
   if (bias.has_value()) out.add_(bias->to(at::kFloat));  // in float32 (bfloat16: before the one rounding)
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return (dtype == at::kFloat ? out : out.to(at::kBFloat16)).reshape(shape);
 }
 
+// Whether this build multiplies bfloat16 pairs in hardware, and so takes bfloat16 weights packed in pairs.
+bool panel_linear_bf16_pairs() { return HAS_BF16_DOT; }
+
 // A dispatcher op, so that torch.compile sees one opaque call (its shape rule is registered in panel_linear.py).
 TORCH_LIBRARY_FRAGMENT(milestones, m) {
   m.def("panel_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_linear_bf16_pairs() -> bool", &panel_linear_bf16_pairs);
 }
 
 TORCH_LIBRARY_IMPL(milestones, CPU, m) { m.impl("panel_linear", &panel_linear); }

@@ -8,8 +8,9 @@ the machine's memory bandwidth than torch's products at one row. In bfloat16 a w
 is half the bytes; torch's own bfloat16 product is fast only where the CPU multiplies
 bfloat16 in hardware (AVX-512 BF16, AMX), and elsewhere falls back to generic code,
 slower than float32 once a step has more than a few rows. The kernel widens each
-bfloat16 weight to float32 as it loads it (exact). In both it sums in float32, in one
-fixed order per output whatever the batch (then rounds once to bfloat16). The decoder's
+bfloat16 weight to float32 as it loads it (exact), or, on a CPU with AVX-512 BF16,
+multiplies bfloat16 pairs with its dot-product instruction. In both dtypes it sums in
+float32, in one fixed order per output whatever the batch (then rounds once to bfloat16). The decoder's
 packed weights replace the originals; the packed LM head is a second copy of the head
 (the embedding keeps the original).
 """
@@ -51,16 +52,28 @@ def _panel_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torc
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def bf16_pairs() -> bool:
+    """Whether the built kernel multiplies bfloat16 pairs in hardware (AVX-512 BF16), so takes bfloat16 in pairs."""
+    load_panel_linear()
+    return torch.ops.milestones.panel_linear_bf16_pairs()
+
+
+def pack_weight(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
     """``[out, in]`` to ``[panels, in, PANEL]``: a panel's 16 output columns side by side for every k (zero-padded).
 
-    float32 keeps a panel's even columns first, then its odd ones (the kernel's sums); bfloat16 keeps column order.
+    float32 keeps a panel's even columns first, then its odd ones (the kernel's sums); bfloat16 keeps column order,
+    or with ``pairs`` (the default where the kernel has the bfloat16 dot product) is ``[panels, in / 2, 2 * PANEL]``:
+    for every pair of k, each column's two weights side by side (an odd ``in`` padded with a zero k).
     """
     out_features, in_features = weight.shape
     panels = -(-out_features // PANEL)
-    padded = torch.zeros(panels * PANEL, in_features, dtype=weight.dtype)
-    padded[:out_features] = weight
-    panel_rows = padded.view(panels, PANEL, in_features)
+    paired = weight.dtype == torch.bfloat16 and (bf16_pairs() if pairs is None else pairs)
+    padded = torch.zeros(panels * PANEL, in_features + (paired and in_features % 2), dtype=weight.dtype)
+    padded[:out_features, :in_features] = weight
+    panel_rows = padded.view(panels, PANEL, -1)
+    if paired:  # [panels, 16, in / 2, 2] -> [panels, in / 2, 16, 2]
+        return panel_rows.view(panels, PANEL, -1, 2).transpose(1, 2).reshape(panels, -1, 2 * PANEL).contiguous()
     if weight.dtype == torch.float32:
         panel_rows = panel_rows[:, FLOAT32_COLUMNS]
     return panel_rows.transpose(1, 2).contiguous()

@@ -66,8 +66,8 @@ def test_m1_packs_too_and_gives_the_same_tokens(tiny_model_path):
 
 
 def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
-    """The compiled kernel, but in bfloat16 oneDNN where the CPU has bfloat16 instructions; oneDNN's packed float32
-    weights where the kernel cannot be built."""
+    """The compiled kernel in both dtypes (with bfloat16 instructions too); oneDNN's packed weights where the kernel
+    cannot be built and oneDNN packs the dtype."""
     bf16_instructions, kernel_builds = False, True
 
     def load_kernel():
@@ -78,15 +78,19 @@ def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
                         lambda dtype=torch.float32: dtype == torch.float32 or bf16_instructions)
     monkeypatch.setattr(panel_linear, "load_panel_linear", load_kernel)
     monkeypatch.setattr(linear_layers, "swap_linear_layers", lambda model, fast_layer: fast_layer.__name__)
+    monkeypatch.setattr(linear_layers, "place_in_huge_pages", lambda model, head: head)
     model = object()
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PanelLinear"
     assert linear_layers.pack_linear_layers_for("onednn", model, CPU, torch.float32) == "PackedLinear"
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PanelLinear"
     assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "PanelLinear"
     bf16_instructions = True
-    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PackedLinear"
+    assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PanelLinear"
     assert linear_layers.pack_linear_layers_for("cpp", model, CPU, torch.bfloat16) == "PanelLinear"
+    assert linear_layers.pack_linear_layers_for("onednn", model, CPU, torch.bfloat16) == "PackedLinear"
     kernel_builds = False
+    with pytest.warns(UserWarning, match="use weights packed for oneDNN"):
+        assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.bfloat16) == "PackedLinear"
     with pytest.warns(UserWarning, match="use weights packed for oneDNN"):
         assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PackedLinear"
     with pytest.raises(RuntimeError, match="could not build the C\\+\\+ linear kernel"):
@@ -126,13 +130,13 @@ def test_linear_backend_option_is_checked(tiny_model_path, mod):
                     reason="oneDNN packs bfloat16 only on a CPU with AVX-512 BF16, AMX or AVX-NE-CONVERT")
 @pytest.mark.parametrize("rows", [1, 64])
 def test_packed_bfloat16_equals_float32_arithmetic_rounded_once(tiny_model_path, rows):
-    """Where this CPU has bfloat16 instructions, "auto" packs bfloat16 weights for oneDNN too."""
+    """Where this CPU has bfloat16 instructions, "onednn" packs bfloat16 weights too."""
     torch.manual_seed(rows)
     linear = nn.Linear(576, 192).to(torch.bfloat16)
     x = torch.randn(rows, 576).bfloat16()
     expected = F.linear(x.float(), linear.weight.float(), linear.bias.float()).bfloat16()
     torch.testing.assert_close(PackedLinear(linear)(x), expected, rtol=2**-7, atol=2**-7)  # one bfloat16 unit
-    llm = m1.LLM(tiny_model_path, device="cpu", dtype="bfloat16", max_model_len=128)
+    llm = m1.LLM(tiny_model_path, device="cpu", dtype="bfloat16", max_model_len=128, linear_backend="onednn")
     head = llm.engine.runner.compute_logits
     assert isinstance(head, PackedLinear)
     assert head(torch.randn(3, llm.engine.runner.model.config.hidden_size).bfloat16()).dtype == torch.float32

@@ -1,0 +1,66 @@
+"""Packed weights in 2 MiB pages: the memory a batch-1 decode step streams, read with fewer page walks.
+
+A decode step at batch 1 reads every weight once, front to back, so it runs at the
+speed memory streams. Memory comes in pages; with Linux's default 4 KiB pages a
+step of SmolLM2-135M in float32 crosses 130,000 of them, and each crossing costs a
+lookup in the page tables and restarts the CPU's prefetcher, which does not follow
+a stream across a page. Linux backs memory with 2 MiB pages where a program asks
+for them (``madvise(MADV_HUGEPAGE)``; "transparent huge pages" is usually set to
+honour only such requests). This module copies the packed weights of every layer
+into one block of memory that asked for them, in the order a step reads them: the
+same numbers, read faster. Measured on the benchmarks page.
+
+Where the platform has no such pages (macOS, Windows, THP turned off), or the call
+fails, the weights stay where they are: the numbers are the same either way.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+HUGE_PAGE = 2 << 20
+ALIGN = 64  # each weight starts on a cache line
+
+
+# --8<-- [start:arena]
+def huge_page_arena(num_bytes: int) -> tuple[torch.Tensor, bool]:
+    """A ``num_bytes`` uint8 tensor starting on a 2 MiB boundary, and whether Linux took the request for huge pages.
+
+    Linux only (``mmap.MADV_HUGEPAGE``). The memory is mapped afresh, private and anonymous
+    (a shared mapping would be shared memory, which has its own huge-page setting), and the
+    request made before it is first written, so that its pages are huge from the start;
+    Linux may still give small ones where it has no free 2 MiB page (the numbers are the
+    same, only slower to read).
+    """
+    padded = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE
+    mapping = mmap.mmap(-1, padded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # kept by the tensor
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        advised = True
+    except OSError:  # a kernel built without transparent huge pages
+        advised = False
+    block = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -block.data_ptr() % HUGE_PAGE
+    return block[start:start + num_bytes], advised
+# --8<-- [end:arena]
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """Copies of ``tensors`` laid one after another in a huge-page arena (in this order), and whether it was advised.
+
+    Where huge pages cannot be asked for (off Linux) the tensors come back as they are.
+    Each copy is a contiguous view of the arena with its tensor's dtype, shape and values.
+    """
+    if not hasattr(mmap, "MADV_HUGEPAGE") or not tensors:
+        return tensors, False
+    sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
+    arena, advised = huge_page_arena(sum(sizes))
+    copies, offset = [], 0
+    for tensor, size in zip(tensors, sizes):
+        view = arena[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        copies.append(view)
+        offset += size
+    return copies, advised

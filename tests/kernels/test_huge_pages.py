@@ -1,0 +1,70 @@
+"""Packed weights moved into 2 MiB pages keep their numbers, sit in the order a step reads them, and get the pages."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from milestones import m2
+from milestones.kernels import PanelLinear
+from milestones.kernels.huge_pages import HUGE_PAGE, move_to_huge_pages
+from tests.conftest import needs_compiler
+
+LINUX = sys.platform.startswith("linux")
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_huge_pages_on() -> bool:
+    return LINUX and THP_SETTING.is_file() and "[never]" not in THP_SETTING.read_text()
+
+
+def anon_huge_bytes(address: int) -> int:
+    """The bytes of 2 MiB pages backing the mapping that holds ``address`` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: "start-end perms offset dev inode [path]"
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1]) * 1024
+    return 0
+
+
+def test_copies_keep_dtype_shape_values_and_order():
+    tensors = [torch.randn(3, 5), torch.randn(7).bfloat16(), torch.arange(12, dtype=torch.float32).view(2, 3, 2)]
+    copies, advised = move_to_huge_pages(tensors)
+    for tensor, copy in zip(tensors, copies):
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape and copy.is_contiguous()
+        assert torch.equal(copy, tensor)
+    if not LINUX:
+        assert copies == tensors and not advised
+        return
+    pointers = [copy.data_ptr() for copy in copies]
+    assert pointers == sorted(pointers) and pointers[0] % HUGE_PAGE == 0, "one arena, 2 MiB aligned, in this order"
+    assert all(pointer % 64 == 0 for pointer in pointers), "each tensor starts on a cache line"
+
+
+@pytest.mark.skipif(not transparent_huge_pages_on(), reason="Linux's transparent huge pages are off or absent here")
+def test_the_arena_gets_huge_pages():
+    (copy,), advised = move_to_huge_pages([torch.ones(3 * HUGE_PAGE // 4)])  # 6 MiB: at least two whole 2 MiB pages
+    assert advised, "madvise(MADV_HUGEPAGE) was refused"
+    huge = anon_huge_bytes(copy.data_ptr())
+    if huge == 0:
+        pytest.skip("Linux took the request but had no free 2 MiB page to give (memory fragmented)")
+    assert huge >= HUGE_PAGE
+
+
+@needs_compiler
+def test_an_engine_reads_its_packed_weights_front_to_back(tiny_model_path):
+    """The panel kernel's weights lie in the order a step reads them: layer by layer, then the LM head."""
+    runner = m2.LLM(model=str(tiny_model_path), linear_backend="cpp").engine.runner
+    layers = [module for module in runner.model.model.modules() if isinstance(module, PanelLinear)]
+    layers.append(runner.packed_lm_head)
+    pointers = [layer.packed_weight.data_ptr() for layer in layers]
+    assert len(layers) == 7 * len(runner.model.model.layers) + 1
+    if LINUX:
+        assert pointers == sorted(pointers)
