@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import packed_linear, panel_linear
+from . import packed_linear, panel_linear, rms_norm
 from .huge_pages import move_to_huge_pages
 
 
@@ -32,7 +32,8 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
     """Swap the model's linear layers for this (already checked) ``linear_backend``'s; return the LM head to call.
 
     None means the model was left as it is. On a CPU, ``"auto"`` takes the compiled kernel (on a
-    CPU with AVX-512 BF16 it multiplies bfloat16 with the bfloat16 dot product); weights packed
+    CPU with AVX-512 BF16 it multiplies bfloat16 with the bfloat16 dot product), and with it the
+    compiled RMS norm (``rms_norm.py``); weights packed
     for oneDNN where the kernel cannot be built and oneDNN can pack this dtype; plain
     ``F.linear``, with a warning, where neither is there. ``"onednn"`` and ``"cpp"`` make a
     missing fast path an error.
@@ -47,6 +48,7 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
         return swap_linear_layers(model, packed_linear.PackedLinear)
     try:
         panel_linear.load_panel_linear()
+        rms_norm.load_rms_norm()
     except Exception as error:  # a compiler error arrives as one of several exception types
         if backend == "cpp":
             raise RuntimeError(
@@ -55,6 +57,7 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
         fallback = "weights packed for oneDNN" if onednn else "plain F.linear"
         warnings.warn(f"C++ linear kernel unavailable ({error}); linear layers use {fallback}", stacklevel=2)
         return swap_linear_layers(model, packed_linear.PackedLinear) if onednn else None
+    rms_norm.swap_rms_norms(model)  # the same compiler built them: the norms go to one compiled call each too
     return place_in_huge_pages(model, swap_linear_layers(model, panel_linear.PanelLinear))
 
 

@@ -10,6 +10,7 @@ from torch import nn
 import milestones.kernels.linear_layers as linear_layers
 import milestones.kernels.packed_linear as packed_linear
 import milestones.kernels.panel_linear as panel_linear
+import milestones.kernels.rms_norm as rms_norm
 from milestones import m1, m2
 from milestones.kernels import PackedLinear
 from tests.chain import assert_same_outputs, mixed_workload, run
@@ -79,6 +80,8 @@ def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
     monkeypatch.setattr(panel_linear, "load_panel_linear", load_kernel)
     monkeypatch.setattr(linear_layers, "swap_linear_layers", lambda model, fast_layer: fast_layer.__name__)
     monkeypatch.setattr(linear_layers, "place_in_huge_pages", lambda model, head: head)
+    monkeypatch.setattr(rms_norm, "load_rms_norm", load_kernel)
+    monkeypatch.setattr(rms_norm, "swap_rms_norms", lambda model: 0)
     model = object()
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PanelLinear"
     assert linear_layers.pack_linear_layers_for("onednn", model, CPU, torch.float32) == "PackedLinear"
