@@ -252,7 +252,9 @@ def test_random_hostile_callers_never_poison_the_engine(mod, small_llm, report):
         "llm": small_llm, "mod": mod, "reference": references[REFERENCE_PROMPT], "references": references,
         "counts": {"cases": 0, "calls": 0, "refused": 0},
     })
-    run_settings = settings(max_examples=NUM_EXAMPLES, stateful_step_count=12, deadline=None,
+    # No example database: a stored case replays its draws, and how many it draws depends on the tokens the engine
+    # made then; once a kernel changes the last bits, hypothesis calls the replay inconsistent (FlakyStrategy...).
+    run_settings = settings(max_examples=NUM_EXAMPLES, stateful_step_count=12, deadline=None, database=None,
                             derandomize=bool(os.environ.get("CI")),
                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
     run_state_machine_as_test(machine, settings=run_settings)
