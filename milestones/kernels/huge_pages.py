@@ -10,8 +10,9 @@ honour only such requests). This module copies the packed weights of every layer
 into one block of memory that asked for them, in the order a step reads them: the
 same numbers, read faster. Measured on the benchmarks page.
 
-Where the platform has no such pages (macOS, Windows, THP turned off), or the call
-fails, the weights stay where they are: the numbers are the same either way.
+Off Linux the weights stay where they are. On Linux they are copied even where the
+request for huge pages is refused or cannot be met (THP turned off, no free 2 MiB
+page): they then sit in ordinary pages. The numbers are the same either way.
 """
 
 from __future__ import annotations
