@@ -80,12 +80,19 @@ inline void load_columns(const float* p, floatx8& even, floatx8& odd) {
   odd = load(p + 8);
 }
 
+// One output: the float32 sum, plus its bias (if any), rounded once to the output's dtype (bfloat16: to nearest even,
+// as torch rounds).
+template <typename O>
+inline void store(O* out, int64_t c, float sum, const float* bias) {
+  out[c] = O(bias ? sum + bias[c] : sum);
+}
+
 // --8<-- [start:tile]
-// out[r][0:cols] = x[r] . panels for ROWS rows of x (float, k long) against PANELS consecutive panels, each
+// out[r][0:cols] = x[r] . panels (+ bias) for ROWS rows of x (float, k long) against PANELS consecutive panels, each
 // [k, 16] (float or bfloat16, panel_stride apart); cols counts the valid columns of all of them.
-template <int ROWS, int PANELS, typename W>
-void multiply_tile(const float* x, int64_t k, const W* panels, int64_t panel_stride, float* out, int64_t out_stride,
-                   int64_t cols) {
+template <int ROWS, int PANELS, typename W, typename O>
+void multiply_tile(const float* x, int64_t k, const W* panels, int64_t panel_stride, O* out, int64_t out_stride,
+                   int64_t cols, const float* bias) {
   floatx8 sums[ROWS][2 * PANELS] = {};
   for (int64_t i = 0; i < k; ++i) {  // in order of k: every output's sum is the same whatever ROWS and PANELS are
     for (int p = 0; p < PANELS; ++p) {
@@ -99,50 +106,51 @@ void multiply_tile(const float* x, int64_t k, const W* panels, int64_t panel_str
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int64_t c = 0; c < cols; ++c) out[r * out_stride + c] = sums[r][2 * (c / PANEL) + c % 2][c % PANEL / 2];
+    for (int64_t c = 0; c < cols; ++c)
+      store(out + r * out_stride, c, sums[r][2 * (c / PANEL) + c % 2][c % PANEL / 2], bias);
 }
 // --8<-- [end:tile]
 
 // multiply_tile<rows, 1> for a number of rows known only at run time (1 to TILE_ROWS).
-template <int ROWS = TILE_ROWS, typename W>
-void multiply_rows(const float* x, int64_t rows, int64_t k, const W* panel, int64_t stride, float* out, int64_t n,
-                   int64_t cols) {
+template <int ROWS = TILE_ROWS, typename W, typename O>
+void multiply_rows(const float* x, int64_t rows, int64_t k, const W* panel, int64_t stride, O* out, int64_t n,
+                   int64_t cols, const float* bias) {
   if constexpr (ROWS > 1)
-    if (rows < ROWS) return multiply_rows<ROWS - 1>(x, rows, k, panel, stride, out, n, cols);
-  multiply_tile<ROWS, 1>(x, k, panel, stride, out, n, cols);
+    if (rows < ROWS) return multiply_rows<ROWS - 1>(x, rows, k, panel, stride, out, n, cols, bias);
+  multiply_tile<ROWS, 1>(x, k, panel, stride, out, n, cols, bias);
 }
 
-// out[:, 0:cols] for all m rows of x against `count` consecutive panels (out's rows are n long).
-template <typename W>
-void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int64_t count, float* out, int64_t n,
-                     int64_t cols) {
+// out[:, 0:cols] for all m rows of x against `count` consecutive panels (out's rows are n long; bias from the first).
+template <typename W, typename O>
+void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int64_t count, O* out, int64_t n,
+                     int64_t cols, const float* bias) {
   const int64_t stride = k * PANEL;
   int64_t p = 0;
   if (m == 1)  // a decode at batch 1: four panels at once, so that eight independent sums are under way
     for (; p + 4 <= count; p += 4)
       multiply_tile<1, 4>(x, k, panels + p * stride, stride, out + p * PANEL, n,
-                          std::min<int64_t>(cols - p * PANEL, 4 * PANEL));
+                          std::min<int64_t>(cols - p * PANEL, 4 * PANEL), bias ? bias + p * PANEL : nullptr);
   for (; p < count; ++p) {
     const W* panel = panels + p * stride;
     const int64_t panel_cols = std::min<int64_t>(cols - p * PANEL, PANEL);
     for (int64_t r = 0; r < m; r += TILE_ROWS) {
-      const float* x_tile = x + r * k;
-      float* out_tile = out + r * n + p * PANEL;
-      multiply_rows(x_tile, std::min<int64_t>(TILE_ROWS, m - r), k, panel, stride, out_tile, n, panel_cols);
+      multiply_rows(x + r * k, std::min<int64_t>(TILE_ROWS, m - r), k, panel, stride, out + r * n + p * PANEL, n,
+                    panel_cols, bias ? bias + p * PANEL : nullptr);
     }
   }
 }
 
 // out = x W^T, the panels shared out among the threads. A bfloat16 panel that several tiles of rows read is
 // widened to float32 once, into a buffer they then share; otherwise each panel is read straight from the weight.
-template <typename W>
-void multiply(const float* x, int64_t m, int64_t k, const W* w_data, int64_t panels, float* out, int64_t n) {
+template <typename W, typename O>
+void multiply(const float* x, int64_t m, int64_t k, const W* w_data, int64_t panels, O* out, int64_t n,
+              const float* bias) {
   const bool widen_panels = std::is_same_v<W, c10::BFloat16> && m > TILE_ROWS;
   at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
     if (!widen_panels) {
       const int64_t col = first_panel * PANEL;
       multiply_panels(x, m, k, w_data + first_panel * k * PANEL, end_panel - first_panel, out + col, n,
-                      std::min(n, end_panel * PANEL) - col);
+                      std::min(n, end_panel * PANEL) - col, bias ? bias + col : nullptr);
       return;
     }
     std::vector<float> widened(k * PANEL);
@@ -155,7 +163,7 @@ void multiply(const float* x, int64_t m, int64_t k, const W* w_data, int64_t pan
         std::memcpy(widened.data() + i, &even, sizeof even);
         std::memcpy(widened.data() + i + 8, &odd, sizeof odd);
       }
-      multiply_panels(x, m, k, widened.data(), 1, out + col, n, std::min(PANEL, n - col));
+      multiply_panels(x, m, k, widened.data(), 1, out + col, n, std::min(PANEL, n - col), bias ? bias + col : nullptr);
     }
   });
 }
@@ -169,7 +177,7 @@ constexpr int PAIR_TILE_ROWS = 8;  // 8 rows x 2 panels: 16 sums of 16 floats in
 // PANELS consecutive panels packed in pairs ([pairs, 16 columns x 2 k], panel_stride apart).
 template <int ROWS, int PANELS>
 void multiply_pair_tile(const uint32_t* x, int64_t pairs, const c10::BFloat16* panels, int64_t panel_stride,
-                        float* out, int64_t out_stride, int64_t cols) {
+                        c10::BFloat16* out, int64_t out_stride, int64_t cols, const float* bias) {
   __m512 sums[ROWS][PANELS];
   for (int r = 0; r < ROWS; ++r)
     for (int p = 0; p < PANELS; ++p) sums[r][p] = _mm512_setzero_ps();
@@ -184,7 +192,8 @@ void multiply_pair_tile(const uint32_t* x, int64_t pairs, const c10::BFloat16* p
   for (int r = 0; r < ROWS; ++r)
     for (int p = 0; p < PANELS && p * PANEL < cols; ++p) {
       _mm512_store_ps(lanes, sums[r][p]);
-      std::memcpy(out + r * out_stride + p * PANEL, lanes, sizeof(float) * std::min<int64_t>(PANEL, cols - p * PANEL));
+      for (int64_t c = 0; c < std::min<int64_t>(PANEL, cols - p * PANEL); ++c)
+        store(out + r * out_stride + p * PANEL, c, lanes[c], bias ? bias + p * PANEL : nullptr);
     }
 }
 // --8<-- [end:pair_tile]
@@ -192,36 +201,37 @@ void multiply_pair_tile(const uint32_t* x, int64_t pairs, const c10::BFloat16* p
 // multiply_pair_tile<rows, PANELS> for a number of rows known only at run time (1 to PAIR_TILE_ROWS).
 template <int PANELS, int ROWS = PAIR_TILE_ROWS>
 void multiply_pair_rows(const uint32_t* x, int64_t rows, int64_t pairs, const c10::BFloat16* panels, int64_t stride,
-                        float* out, int64_t n, int64_t cols) {
+                        c10::BFloat16* out, int64_t n, int64_t cols, const float* bias) {
   if constexpr (ROWS > 1)
-    if (rows < ROWS) return multiply_pair_rows<PANELS, ROWS - 1>(x, rows, pairs, panels, stride, out, n, cols);
-  multiply_pair_tile<ROWS, PANELS>(x, pairs, panels, stride, out, n, cols);
+    if (rows < ROWS) return multiply_pair_rows<PANELS, ROWS - 1>(x, rows, pairs, panels, stride, out, n, cols, bias);
+  multiply_pair_tile<ROWS, PANELS>(x, pairs, panels, stride, out, n, cols, bias);
 }
 
 // Every row of x against PANELS consecutive panels (cols valid columns), in tiles of rows.
 template <int PANELS>
 void multiply_pair_panels(const uint32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* panels, int64_t stride,
-                          float* out, int64_t n, int64_t cols) {
+                          c10::BFloat16* out, int64_t n, int64_t cols, const float* bias) {
   for (int64_t r = 0; r < m; r += PAIR_TILE_ROWS)
     multiply_pair_rows<PANELS>(x + r * pairs, std::min<int64_t>(PAIR_TILE_ROWS, m - r), pairs, panels, stride,
-                               out + r * n, n, cols);
+                               out + r * n, n, cols, bias);
 }
 
 // out = x W^T for bfloat16 pairs, the panels shared out among the threads: a single row four panels at a time
 // (memory-bound: eight sums under way), more rows two panels at a time (16 sums), the rest one.
 void multiply_pairs(const uint32_t* x, int64_t m, int64_t pairs, const c10::BFloat16* w_data, int64_t panels,
-                    float* out, int64_t n) {
+                    c10::BFloat16* out, int64_t n, const float* bias) {
   const int64_t stride = pairs * 2 * PANEL;
   at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
     int64_t p = first_panel;
     const auto cols = [&](int64_t panel, int64_t count) { return std::min(n - panel * PANEL, count * PANEL); };
+    const auto bias_at = [&](int64_t panel) { return bias ? bias + panel * PANEL : nullptr; };
     if (m == 1)
       for (; p + 4 <= end_panel; p += 4)
-        multiply_pair_tile<1, 4>(x, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 4));
+        multiply_pair_tile<1, 4>(x, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 4), bias_at(p));
     for (; p + 2 <= end_panel; p += 2)
-      multiply_pair_panels<2>(x, m, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 2));
+      multiply_pair_panels<2>(x, m, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 2), bias_at(p));
     for (; p < end_panel; ++p)
-      multiply_pair_panels<1>(x, m, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 1));
+      multiply_pair_panels<1>(x, m, pairs, w_data + p * stride, stride, out + p * PANEL, n, cols(p, 1), bias_at(p));
   });
 }
 #else
@@ -254,31 +264,30 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::op
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n),
               "the bias is a vector of out_features (", n, ") numbers in the weight's dtype");
 
-  torch::Tensor out;
+  // The bias in float32, added to each float32 sum before the output's one rounding.
+  const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
+  const float* bias_data = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  torch::Tensor out = torch::empty(shape, x.options());  // written by the kernel in x's dtype
+  const int64_t m = out.numel() / n;
   if (paired) {  // x stays bfloat16, each row padded to whole pairs of k
 #if defined(__AVX512BF16__)
     torch::Tensor rows = x.reshape({-1, k}).contiguous();
     if (k % 2) rows = torch::constant_pad_nd(rows, {0, 1});
-    const int64_t m = rows.size(0);
-    out = torch::empty({m, n}, rows.options().dtype(at::kFloat));
     multiply_pairs(reinterpret_cast<const uint32_t*>(rows.data_ptr<c10::BFloat16>()), m, (k + 1) / 2,
-                   packed_weight.data_ptr<c10::BFloat16>(), panels, out.data_ptr<float>(), n);
+                   packed_weight.data_ptr<c10::BFloat16>(), panels, out.data_ptr<c10::BFloat16>(), n, bias_data);
 #endif
   } else {
     const torch::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();  // bfloat16: widened once
-    const int64_t m = rows.size(0);
-    out = torch::empty({m, n}, rows.options());
     const float* x_data = rows.data_ptr<float>();
-    float* out_data = out.data_ptr<float>();
     if (dtype == at::kFloat)
-      multiply(x_data, m, k, packed_weight.data_ptr<float>(), panels, out_data, n);
+      multiply(x_data, m, k, packed_weight.data_ptr<float>(), panels, out.data_ptr<float>(), n, bias_data);
     else
-      multiply(x_data, m, k, packed_weight.data_ptr<c10::BFloat16>(), panels, out_data, n);
+      multiply(x_data, m, k, packed_weight.data_ptr<c10::BFloat16>(), panels, out.data_ptr<c10::BFloat16>(), n,
+               bias_data);
   }
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));  // in float32 (bfloat16: before the one rounding)
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return (dtype == at::kFloat ? out : out.to(at::kBFloat16)).reshape(shape);
+  return out;
 }
 
 // Whether this build multiplies bfloat16 pairs in hardware, and so takes bfloat16 weights packed in pairs.
