@@ -33,7 +33,7 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
 
     None means the model was left as it is. On a CPU, ``"auto"`` takes the compiled kernel (on a
     CPU with AVX-512 BF16 it multiplies bfloat16 with the bfloat16 dot product), and with it the
-    compiled RMS norm (``rms_norm.py``); weights packed
+    compiled RMS norm (``rms_norm.py``) and each MLP's gate and up in one call (``FusedMLP``); weights packed
     for oneDNN where the kernel cannot be built and oneDNN can pack this dtype; plain
     ``F.linear``, with a warning, where neither is there. ``"onednn"`` and ``"cpp"`` make a
     missing fast path an error.
@@ -58,12 +58,14 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
         warnings.warn(f"C++ linear kernel unavailable ({error}); linear layers use {fallback}", stacklevel=2)
         return swap_linear_layers(model, packed_linear.PackedLinear) if onednn else None
     rms_norm.swap_rms_norms(model)  # the same compiler built them: the norms go to one compiled call each too
+    panel_linear.swap_mlps(model)  # each MLP's gate and up in one call
     return place_in_huge_pages(model, swap_linear_layers(model, panel_linear.PanelLinear))
 
 
 def place_in_huge_pages(model: nn.Module, head: panel_linear.PanelLinear) -> panel_linear.PanelLinear:
     """Move the packed weights into 2 MiB pages in the order a step reads them (the layers, then the head); the head."""
-    layers = [module for module in model.model.modules() if isinstance(module, panel_linear.PanelLinear)] + [head]
+    packed = (panel_linear.PanelLinear, panel_linear.FusedMLP)
+    layers = [module for module in model.model.modules() if isinstance(module, packed)] + [head]
     weights, _ = move_to_huge_pages([layer.packed_weight for layer in layers])
     for layer, weight in zip(layers, weights):
         layer.packed_weight = weight

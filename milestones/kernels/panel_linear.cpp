@@ -290,13 +290,36 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::op
   return out;
 }
 
+// --8<-- [start:silu_mul]
+// SiLU(x G^T) * (x U^T), a gated MLP's activation (its gate and up projections), in one call of the kernel: G and U
+// packed as one weight whose panels take turns, 16 columns of the gate then the same 16 of up (panel_linear.py's
+// pack_gate_up), `intermediate` columns each. An output's sum does not depend on where its panel sits, so gate and up
+// are the numbers of two separate calls; SiLU and the product are torch's own, with the same roundings.
+torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed_gate_up, int64_t intermediate) {
+  const int64_t panels = packed_gate_up.dim() == 3 ? packed_gate_up.size(0) : 0;
+  TORCH_CHECK(intermediate > 0 && panels == 2 * ((intermediate + PANEL - 1) / PANEL),
+              "packed_gate_up must come from panel_linear.pack_gate_up: a gate and an up panel for every 16 of the ",
+              intermediate, " intermediate columns");
+  const torch::Tensor gate_up = panel_linear(x, packed_gate_up, c10::nullopt, panels * PANEL)
+                                    .unflatten(-1, {panels / 2, 2, PANEL});  // [..., panel, gate or up, column]
+  const auto half = [&](int64_t which) { return gate_up.select(-2, which).flatten(-2).narrow(-1, 0, intermediate); };
+  // The gate copied to a tensor of its own, as the lesson has it: torch's SiLU takes its vectorised path on whole
+  // vectors of a contiguous tensor and a scalar one on the rest, which may differ in the last bit.
+  return at::silu(half(0).contiguous()) * half(1);
+}
+// --8<-- [end:silu_mul]
+
 // Whether this build multiplies bfloat16 pairs in hardware, and so takes bfloat16 weights packed in pairs.
 bool panel_linear_bf16_pairs() { return HAS_BF16_DOT; }
 
-// A dispatcher op, so that torch.compile sees one opaque call (its shape rule is registered in panel_linear.py).
+// Dispatcher ops, so that torch.compile sees one opaque call each (their shape rules are registered in panel_linear.py).
 TORCH_LIBRARY_FRAGMENT(milestones, m) {
   m.def("panel_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("panel_silu_mul(Tensor x, Tensor packed_gate_up, int intermediate) -> Tensor");
   m.def("panel_linear_bf16_pairs() -> bool", &panel_linear_bf16_pairs);
 }
 
-TORCH_LIBRARY_IMPL(milestones, CPU, m) { m.impl("panel_linear", &panel_linear); }
+TORCH_LIBRARY_IMPL(milestones, CPU, m) {
+  m.impl("panel_linear", &panel_linear);
+  m.impl("panel_silu_mul", &panel_silu_mul);
+}

@@ -44,12 +44,17 @@ def load_panel_linear() -> None:
 @functools.cache
 def _register_shape() -> None:
     torch.library.register_fake("milestones::panel_linear", _panel_linear_shape)
+    torch.library.register_fake("milestones::panel_silu_mul", _panel_silu_mul_shape)
 
 
 def _panel_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
                         out_features: int) -> torch.Tensor:
     """What the op returns, for tracing without running it: x's rows, out_features wide, in x's dtype."""
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _panel_silu_mul_shape(x: torch.Tensor, packed_gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], intermediate))
 
 
 @functools.cache
@@ -79,6 +84,21 @@ def pack_weight(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor
     return panel_rows.transpose(1, 2).contiguous()
 
 
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+    """Two ``[intermediate, in]`` weights packed as one whose panels take turns: 16 gate columns, the same 16 of up.
+
+    ``panel_silu_mul`` reads it in one call of the kernel. An ``intermediate`` that is no multiple of 16 is padded
+    with zero columns, in the last panel of each; ``pairs`` as in ``pack_weight``.
+    """
+    intermediate, in_features = gate.shape
+    panels = -(-intermediate // PANEL)
+    padded = [torch.zeros(panels * PANEL, in_features, dtype=w.dtype) for w in (gate, up)]
+    for w, pad in zip((gate, up), padded):
+        pad[:intermediate] = w
+    both = torch.stack([pad.view(panels, PANEL, in_features) for pad in padded], dim=1)  # [panel, gate|up, col, k]
+    return pack_weight(both.reshape(-1, in_features), pairs)
+
+
 # --8<-- [start:panel_linear]
 class PanelLinear(nn.Module):
     """``nn.Linear``'s forward through the compiled kernel; ``logits=True`` returns float32 like a head."""
@@ -93,3 +113,34 @@ class PanelLinear(nn.Module):
         out = torch.ops.milestones.panel_linear(x, self.packed_weight, self.bias, self.out_features)
         return out.float() if self.logits else out
 # --8<-- [end:panel_linear]
+
+
+# --8<-- [start:fused_mlp]
+class FusedMLP(nn.Module):
+    """A gated MLP, ``down(silu(gate(x)) * up(x))`` (the lesson's ``MLP``), with gate and up in one kernel call.
+
+    The numbers are those of the lesson's MLP over ``PanelLinear`` layers, bit for bit: one call fewer per layer,
+    and no Python between the products and the activation.
+    """
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        self.intermediate = mlp.gate_proj.out_features
+        self.packed_weight = pack_gate_up(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
+        self.down_proj = mlp.down_proj  # swapped for a PanelLinear with the model's other linear layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.ops.milestones.panel_silu_mul(x, self.packed_weight, self.intermediate))
+# --8<-- [end:fused_mlp]
+
+
+def swap_mlps(model: nn.Module) -> int:
+    """Swap every gated MLP of the decoder (gate, up and down projections without bias) for a ``FusedMLP``; how many."""
+    count = 0
+    for parent in list(model.model.modules()):
+        for name, child in parent.named_children():
+            projections = [getattr(child, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+            if name == "mlp" and all(isinstance(p, nn.Linear) and p.bias is None for p in projections):
+                setattr(parent, name, FusedMLP(child))
+                count += 1
+    return count

@@ -11,6 +11,7 @@ import torch
 from milestones import m2
 from milestones.kernels import PanelLinear
 from milestones.kernels.huge_pages import HUGE_PAGE, move_to_huge_pages
+from milestones.kernels.panel_linear import FusedMLP
 from tests.conftest import needs_compiler
 
 LINUX = sys.platform.startswith("linux")
@@ -62,9 +63,9 @@ def test_the_arena_gets_huge_pages():
 def test_an_engine_reads_its_packed_weights_front_to_back(tiny_model_path):
     """The panel kernel's weights lie in the order a step reads them: layer by layer, then the LM head."""
     runner = m2.LLM(model=str(tiny_model_path), linear_backend="cpp").engine.runner
-    layers = [module for module in runner.model.model.modules() if isinstance(module, PanelLinear)]
+    layers = [module for module in runner.model.model.modules() if isinstance(module, (PanelLinear, FusedMLP))]
     layers.append(runner.packed_lm_head)
     pointers = [layer.packed_weight.data_ptr() for layer in layers]
-    assert len(layers) == 7 * len(runner.model.model.layers) + 1
+    assert len(layers) == 6 * len(runner.model.model.layers) + 1  # q, k, v, o, gate and up as one, down
     if LINUX:
         assert pointers == sorted(pointers)

@@ -82,6 +82,7 @@ def test_auto_picks_the_fast_path_for_the_device_and_dtype(monkeypatch):
     monkeypatch.setattr(linear_layers, "place_in_huge_pages", lambda model, head: head)
     monkeypatch.setattr(rms_norm, "load_rms_norm", load_kernel)
     monkeypatch.setattr(rms_norm, "swap_rms_norms", lambda model: 0)
+    monkeypatch.setattr(panel_linear, "swap_mlps", lambda model: 0)
     model = object()
     assert linear_layers.pack_linear_layers_for("auto", model, CPU, torch.float32) == "PanelLinear"
     assert linear_layers.pack_linear_layers_for("onednn", model, CPU, torch.float32) == "PackedLinear"

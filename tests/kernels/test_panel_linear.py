@@ -14,7 +14,7 @@ from torch import nn
 
 from milestones import m1, m2
 from milestones.kernels import PackedLinear, PanelLinear
-from milestones.kernels.panel_linear import bf16_pairs, load_panel_linear, pack_weight
+from milestones.kernels.panel_linear import FusedMLP, bf16_pairs, load_panel_linear, pack_weight
 from tests.conftest import needs_compiler
 from tests.kernels import assert_one_opaque_op_to_torch_compile
 
@@ -176,7 +176,9 @@ def test_engines_swap_every_linear_and_keep_the_head(tiny_model_path, mod, dtype
     llm = mod.LLM(tiny_model_path, device="cpu", dtype=dtype, max_model_len=128, linear_backend="cpp")
     model = llm.engine.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.model.modules()), "an unswapped linear layer is left"
-    assert sum(isinstance(m, PanelLinear) for m in model.model.modules()) == 7 * model.config.num_layers
+    layers = model.config.num_layers  # q, k, v, o and down each a PanelLinear; gate and up one FusedMLP
+    assert sum(isinstance(m, PanelLinear) for m in model.model.modules()) == 5 * layers
+    assert sum(isinstance(m, FusedMLP) for m in model.model.modules()) == layers
     head = llm.engine.runner.compute_logits
     assert isinstance(head, PanelLinear) and isinstance(model.lm_head, nn.Linear)
     hidden = torch.randn(5, model.config.hidden_size).to(getattr(torch, dtype))
