@@ -2,6 +2,7 @@
 
     python examples/profile_step.py                              # m1..m6, batch 1 and 16, the bundled model
     python examples/profile_step.py --milestones m1,m5 --batch-sizes 1 --out profile.json
+    python examples/profile_step.py --dtype bfloat16 --batch-sizes 1
 
 For each milestone and batch size it puts B requests past their prompts, then:
 
@@ -106,10 +107,10 @@ def op_seconds(events, milestone_dir: str | None) -> dict[str, float]:
 
 def decoding_engine(mod, batch_size: int, args: argparse.Namespace):
     """An engine with ``batch_size`` requests past their prompts, each with room for warm-up and timed steps."""
-    llm = mod.LLM(model=args.model, max_model_len=args.prompt_len + 4 * args.steps + 16, seed=0,
+    llm = mod.LLM(model=args.model, max_model_len=args.prompt_len + 4 * args.steps + 16, seed=0, dtype=args.dtype,
                   **({"max_num_seqs": batch_size} if batch_size > 1 else {}))
     engine = llm.engine
-    params = mod.SamplingParams(max_tokens=4 * args.steps + 8, ignore_eos=True)
+    params = mod.SamplingParams(max_tokens=4 * args.steps + 8, ignore_eos=True, temperature=0)  # greedy, as benchmarked
     for i in range(batch_size):
         engine.add_request([1 + (7 * i + j) % 100 for j in range(args.prompt_len)], params, f"r{i}")
     for _ in range(args.steps // 2 + 2):  # the prompts, and a few decode steps to warm up
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--model", default=None, help="local folder; default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's choice")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     parser.add_argument("--out", type=Path, default=None, help="write the profiles here as JSON")
     args = parser.parse_args()
     threads, why = pick_threads(args.threads)
