@@ -581,3 +581,7 @@ def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path)
         assert row["tokens_per_s"] == pytest.approx(row["batch_size"] / row["step_ms"] * 1e3)
     one, three = result["rows"][1], result["rows"][2]
     assert three["bytes_per_step"] > one["bytes_per_step"]  # two more requests' keys and values
+    run_script("examples/profile_step.py", "--model", str(tiny_model_path), "--threads", "1", "--milestones", "m2",
+               "--batch-sizes", "1", "--steps", "6", "--dtype", "bfloat16", "--out", str(out))
+    half = json.loads(out.read_text())["rows"][0]
+    assert half["bytes_per_step"] * 2 == one["bytes_per_step"]  # weights, keys and values in two bytes, not four

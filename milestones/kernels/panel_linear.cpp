@@ -292,20 +292,19 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::op
 
 // --8<-- [start:silu_mul]
 // SiLU(x G^T) * (x U^T), a gated MLP's activation (its gate and up projections), in one call of the kernel: G and U
-// packed as one weight whose panels take turns, 16 columns of the gate then the same 16 of up (panel_linear.py's
-// pack_gate_up), `intermediate` columns each. An output's sum does not depend on where its panel sits, so gate and up
-// are the numbers of two separate calls; SiLU and the product are torch's own, with the same roundings.
+// packed as one weight, the gate's panels then up's (panel_linear.py's pack_gate_up), `intermediate` columns each.
+// An output's sum does not depend on where its panel sits, so gate and up are the numbers of two separate calls;
+// SiLU and the product are torch's own, on tensors of the lesson's shapes, so they round as the lesson does.
 torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed_gate_up, int64_t intermediate) {
-  const int64_t panels = packed_gate_up.dim() == 3 ? packed_gate_up.size(0) : 0;
-  TORCH_CHECK(intermediate > 0 && panels == 2 * ((intermediate + PANEL - 1) / PANEL),
-              "packed_gate_up must come from panel_linear.pack_gate_up: a gate and an up panel for every 16 of the ",
-              intermediate, " intermediate columns");
-  const torch::Tensor gate_up = panel_linear(x, packed_gate_up, c10::nullopt, panels * PANEL)
-                                    .unflatten(-1, {panels / 2, 2, PANEL});  // [..., panel, gate or up, column]
-  const auto half = [&](int64_t which) { return gate_up.select(-2, which).flatten(-2).narrow(-1, 0, intermediate); };
-  // The gate copied to a tensor of its own, as the lesson has it: torch's SiLU takes its vectorised path on whole
-  // vectors of a contiguous tensor and a scalar one on the rest, which may differ in the last bit.
-  return at::silu(half(0).contiguous()) * half(1);
+  const int64_t half = (intermediate + PANEL - 1) / PANEL * PANEL;  // each padded to whole panels
+  TORCH_CHECK(intermediate > 0 && packed_gate_up.dim() == 3 && packed_gate_up.size(0) * PANEL == 2 * half,
+              "packed_gate_up must come from panel_linear.pack_gate_up: gate and up, ", intermediate,
+              " intermediate columns each");
+  const torch::Tensor gate_up = panel_linear(x, packed_gate_up, c10::nullopt, 2 * half);
+  // The gate as a tensor of its own (a copy only where several rows interleave it with up): torch's SiLU takes its
+  // vectorised path on whole vectors of a contiguous tensor and a scalar one on the rest, which may differ in the
+  // last bit, so it must see the lesson's layout.
+  return at::silu(gate_up.narrow(-1, 0, intermediate).contiguous()) * gate_up.narrow(-1, half, intermediate);
 }
 // --8<-- [end:silu_mul]
 

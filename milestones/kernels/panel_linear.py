@@ -85,18 +85,16 @@ def pack_weight(weight: torch.Tensor, pairs: bool | None = None) -> torch.Tensor
 
 
 def pack_gate_up(gate: torch.Tensor, up: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
-    """Two ``[intermediate, in]`` weights packed as one whose panels take turns: 16 gate columns, the same 16 of up.
+    """Two ``[intermediate, in]`` weights packed as one for ``panel_silu_mul``: the gate's panels, then up's.
 
-    ``panel_silu_mul`` reads it in one call of the kernel. An ``intermediate`` that is no multiple of 16 is padded
-    with zero columns, in the last panel of each; ``pairs`` as in ``pack_weight``.
+    An ``intermediate`` that is no multiple of 16 is padded with zero columns to whole panels, in each of the
+    two; ``pairs`` as in ``pack_weight``.
     """
     intermediate, in_features = gate.shape
-    panels = -(-intermediate // PANEL)
-    padded = [torch.zeros(panels * PANEL, in_features, dtype=w.dtype) for w in (gate, up)]
-    for w, pad in zip((gate, up), padded):
-        pad[:intermediate] = w
-    both = torch.stack([pad.view(panels, PANEL, in_features) for pad in padded], dim=1)  # [panel, gate|up, col, k]
-    return pack_weight(both.reshape(-1, in_features), pairs)
+    half = -(-intermediate // PANEL) * PANEL
+    both = torch.zeros(2 * half, in_features, dtype=gate.dtype)
+    both[:intermediate], both[half : half + intermediate] = gate, up
+    return pack_weight(both, pairs)
 
 
 # --8<-- [start:panel_linear]

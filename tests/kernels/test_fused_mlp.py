@@ -72,20 +72,20 @@ def test_a_row_gets_the_same_bits_whatever_batch_it_is_in():
         assert torch.equal(fused(x[:size]), together[:size]), f"a batch of {size} differs"
 
 
-def test_packing_puts_gate_and_up_panels_in_turn():
+def test_packing_puts_the_gates_panels_then_ups():
     gate = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
     up = -gate
     packed = pack_gate_up(gate.bfloat16(), up.bfloat16(), pairs=False).float()  # small integers: exact
-    assert packed.shape == (4, 3, 16)  # gate 0-15, up 0-15, gate 16-19 (+ 12 zero), up 16-19 (+ 12 zero)
-    assert torch.equal(packed[0].T, gate[:16]) and torch.equal(packed[1].T, up[:16])
-    assert torch.equal(packed[2, :, :4].T, gate[16:]) and torch.equal(packed[3, :, :4].T, up[16:])
-    assert not packed[2:, :, 4:].any(), "the padding columns are zero"
+    assert packed.shape == (4, 3, 16)  # gate 0-15, gate 16-19 (+ 12 zero), up 0-15, up 16-19 (+ 12 zero)
+    assert torch.equal(packed[0].T, gate[:16]) and torch.equal(packed[1, :, :4].T, gate[16:])
+    assert torch.equal(packed[2].T, up[:16]) and torch.equal(packed[3, :, :4].T, up[16:])
+    assert not packed[1, :, 4:].any() and not packed[3, :, 4:].any(), "the padding columns are zero"
 
 
 def test_the_op_refuses_a_weight_not_packed_for_it():
     x, gate = torch.randn(2, 8), torch.randn(40, 8)
     with pytest.raises(RuntimeError, match="must come from panel_linear.pack_gate_up"):
-        torch.ops.milestones.panel_silu_mul(x, pack_weight(gate), 40)  # 3 panels: gate alone
+        torch.ops.milestones.panel_silu_mul(x, pack_weight(gate), 40)  # 3 panels: the gate alone
     with pytest.raises(RuntimeError, match="must come from panel_linear.pack_gate_up"):
         torch.ops.milestones.panel_silu_mul(x, pack_gate_up(gate, gate), 60)
 
