@@ -40,7 +40,8 @@ import torch
 from _common import HelpFormatter, pick_threads
 
 LINEAR_FILES = ("torch/nn/modules/linear.py", "kernels/packed_linear.py", "kernels/panel_linear.py")
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "milestones::panel_linear")  # F.linear's ops are found by their caller
+# F.linear's ops are found by their caller; these by name (in m5's captured step inductor's code calls them)
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "milestones::panel_linear", "milestones::panel_silu_mul")
 ATTENTION_OPS = ("milestones::decode_attention", "scaled_dot_product")
 CATEGORIES = ("linear", "attention", "other ops", "python")
 
