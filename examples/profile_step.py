@@ -90,7 +90,8 @@ def category(event, milestone_dir: str) -> str:
     while event is not None:
         if f"{milestone_dir}/attention.py" in event.name:
             return "attention"
-        if any(path in event.name for path in LINEAR_FILES) or "compute_logits" in event.name:
+        if event.name in LINEAR_OPS or any(path in event.name for path in LINEAR_FILES) or \
+                "compute_logits" in event.name:
             return "linear"
         event = event.cpu_parent
     return "other ops"
@@ -157,7 +158,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--model", default=None, help="local folder; default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's choice")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the weights' dtype; default: the engine's (float32 on a CPU, bfloat16 on CUDA)")
     parser.add_argument("--out", type=Path, default=None, help="write the profiles here as JSON")
     args = parser.parse_args()
     threads, why = pick_threads(args.threads)

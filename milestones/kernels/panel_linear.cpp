@@ -1,6 +1,6 @@
 // y = x W^T (+ bias) for float32 or bfloat16 x and W, summed in float32: the fast path behind
-// linear_backend="cpp" (panel_linear.py packs the weights, builds this file and registers its op
-// milestones::panel_linear).
+// linear_backend="cpp" (panel_linear.py packs the weights, builds this file and registers its ops
+// milestones::panel_linear and milestones::panel_silu_mul, a gated MLP's gate and up in one call).
 //
 // A decode step at batch 1 reads every weight once and does two flops with it, so it runs at the
 // speed of memory: the kernel's job is to keep the memory busy. The weight comes packed in panels of
@@ -173,8 +173,8 @@ constexpr bool HAS_BF16_DOT = true;
 constexpr int PAIR_TILE_ROWS = 8;  // 8 rows x 2 panels: 16 sums of 16 floats in the 32 registers of AVX-512
 
 // --8<-- [start:pair_tile]
-// out[r][0:cols] = x[r] . panels for ROWS rows of x (bfloat16, `pairs` 32-bit words of two k each a row) against
-// PANELS consecutive panels packed in pairs ([pairs, 16 columns x 2 k], panel_stride apart).
+// out[r][0:cols] = x[r] . panels (+ bias) for ROWS rows of x (bfloat16, `pairs` 32-bit words of two k each a row)
+// against PANELS consecutive panels packed in pairs ([pairs, 16 columns x 2 k], panel_stride apart).
 template <int ROWS, int PANELS>
 void multiply_pair_tile(const uint32_t* x, int64_t pairs, const c10::BFloat16* panels, int64_t panel_stride,
                         c10::BFloat16* out, int64_t out_stride, int64_t cols, const float* bias) {
@@ -261,8 +261,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed_weight, c10::op
               "x's last dimension must be the weight's in_features (",
               paired ? "packed in " + std::to_string(packed_weight.size(1)) + " pairs" : std::to_string(k),
               "), got ", x.size(-1));
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n),
-              "the bias is a vector of out_features (", n, ") numbers in the weight's dtype");
+  TORCH_CHECK(!bias.has_value() || (bias->device().is_cpu() && bias->scalar_type() == dtype && bias->dim() == 1 &&
+                                     bias->size(0) == n),
+              "the bias is a vector of out_features (", n, ") numbers in the weight's dtype, on the CPU");
 
   // The bias in float32, added to each float32 sum before the output's one rounding.
   const torch::Tensor bias32 = bias.has_value() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
@@ -311,7 +312,7 @@ torch::Tensor panel_silu_mul(torch::Tensor x, torch::Tensor packed_gate_up, int6
 // Whether this build multiplies bfloat16 pairs in hardware, and so takes bfloat16 weights packed in pairs.
 bool panel_linear_bf16_pairs() { return HAS_BF16_DOT; }
 
-// Dispatcher ops, so that torch.compile sees one opaque call each (their shape rules are registered in panel_linear.py).
+// Dispatcher ops, so that torch.compile sees one opaque call each (shape rules registered in panel_linear.py).
 TORCH_LIBRARY_FRAGMENT(milestones, m) {
   m.def("panel_linear(Tensor x, Tensor packed_weight, Tensor? bias, int out_features) -> Tensor");
   m.def("panel_silu_mul(Tensor x, Tensor packed_gate_up, int intermediate) -> Tensor");

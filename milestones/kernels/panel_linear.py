@@ -33,7 +33,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")  # no fast-ma
 
 
 def load_panel_linear() -> None:
-    """Build (once per machine) and load the kernel, which defines ``torch.ops.milestones.panel_linear``.
+    """Build (once per machine) and load the kernel: ``torch.ops.milestones.panel_linear`` and ``panel_silu_mul``.
 
     Raises if it cannot be built, and at once on later calls: a failing build is tried once.
     """
@@ -54,6 +54,7 @@ def _panel_linear_shape(x: torch.Tensor, packed_weight: torch.Tensor, bias: torc
 
 
 def _panel_silu_mul_shape(x: torch.Tensor, packed_gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+    """What the op returns, for tracing: x's rows, ``intermediate`` wide, in x's dtype."""
     return x.new_empty((*x.shape[:-1], intermediate))
 
 

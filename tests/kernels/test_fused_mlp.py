@@ -42,31 +42,55 @@ def panel(linear: torch.nn.Linear, pairs: bool | None) -> PanelLinear:
 LAYOUTS = {"float32": None, "bf16-widened": False, "bf16-pairs": True}  # pairs: pack_weight's argument
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("intermediate", [1536, 40])  # 40: the last panel of gate and of up part-filled
-@pytest.mark.parametrize("rows", [1, 3, 7, 20])  # a single row takes four panels at once; more go in tiles
-def test_the_fused_mlp_gives_the_lesson_mlps_bits(layout, intermediate, rows):
+def fused_and_lesson(layout: str, intermediate: int, seed: int) -> tuple[FusedMLP, MLP]:
+    """A FusedMLP, and the lesson's MLP over PanelLinear layers with the same weights, packed in ``layout``."""
     pairs = LAYOUTS[layout]
     if pairs and not bf16_pairs():
         pytest.skip("this CPU (or this build) has no AVX-512 BF16 dot product")
-    mlp = lesson_mlp(96, intermediate, torch.float32 if layout == "float32" else torch.bfloat16, seed=rows)
+    mlp = lesson_mlp(96, intermediate, torch.float32 if layout == "float32" else torch.bfloat16, seed)
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
     fused = FusedMLP(mlp)
     fused.packed_weight = pack_gate_up(gate.weight.detach(), up.weight.detach(), pairs)
     fused.down_proj = reference_down = panel(down, pairs)
     mlp.gate_proj, mlp.up_proj, mlp.down_proj = panel(gate, pairs), panel(up, pairs), reference_down
-    x = torch.randn(2, rows, 96).to(gate.weight.dtype)  # leading dimensions are kept
-    out, expected = fused(x), mlp(x)
-    assert out.shape == expected.shape == (2, rows, 96)
+    return fused, mlp
+
+
+def assert_same_bits(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.shape == expected.shape
     differ = (out != expected).sum().item()
     assert differ == 0, f"{differ} of {out.numel()} outputs differ from the lesson's MLP over PanelLinear layers"
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("intermediate", [1536, 40])  # 40: the last panel of gate and of up part-filled
+@pytest.mark.parametrize("rows", [1, 3, 7, 20])  # a single row takes four panels at once; more go in tiles
+@pytest.mark.parametrize("threads", [1, 2])  # one thread: a single row's four panels span gate and up (40)
+def test_the_fused_mlp_gives_the_lesson_mlps_bits(layout, intermediate, rows, threads):
+    fused, mlp = fused_and_lesson(layout, intermediate, seed=rows)
+    x = torch.randn(rows, 96).to(mlp.down_proj.packed_weight.dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_same_bits(fused(x), mlp(x))
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_leading_dimensions_are_kept(layout):
+    fused, mlp = fused_and_lesson(layout, 40, seed=0)
+    x = torch.randn(2, 3, 96).to(mlp.down_proj.packed_weight.dtype)
+    out = fused(x)
+    assert out.shape == (2, 3, 96)
+    assert_same_bits(out, mlp(x))
+
+
 def test_a_row_gets_the_same_bits_whatever_batch_it_is_in():
-    mlp = lesson_mlp(96, 200, torch.bfloat16, seed=0)
-    fused = FusedMLP(mlp)
-    fused.down_proj = PanelLinear(mlp.down_proj)
-    x = torch.randn(30, 96).bfloat16()
+    """Up to torch's SiLU, which runs whole vectors and a scalar tail that can differ in the last bit: with 192
+    intermediate columns every row is whole vectors, in float32 (16 a vector) and bfloat16 (32)."""
+    fused, _ = fused_and_lesson("float32", 192, seed=0)
+    x = torch.randn(30, 96)
     together = fused(x)
     for size in (1, 2, 7, 9):
         assert torch.equal(fused(x[:size]), together[:size]), f"a batch of {size} differs"
