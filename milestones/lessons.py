@@ -82,8 +82,9 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "[n, heads, dim]. The tests check the output and every row of the cache after each step."),
               Exercise("attention.py", "decode_attention", ("decode_attention",),
                        "one query q [1, heads, dim] against keys and values [kv_heads, context_len, dim]: the "
-                       "softmax, in float32, of `q . k / sqrt(dim)` weights the values; query head h reads key/value "
-                       "head `h // (heads // kv_heads)`. Return [1, heads, dim]."))),
+                       "softmax of `q . k / sqrt(dim)` weights the values, all in float32 (`.float()` on q, keys and "
+                       "values); query head h reads key/value head `h // (heads // kv_heads)`. Return [1, heads, dim] "
+                       "in values' dtype."))),
         Step("the MLP (SwiGLU)", ("tests/m1/test_mlp.py",),
              "SiLU goes on the gate projection only, which then multiplies the up projection",
              (Exercise("model.py", "mlp", ("MLP.forward",),

@@ -564,6 +564,21 @@ def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
         assert stream["fp32-cpp", "2 MiB pages"]["megabytes"] == packed * 4 / 1e6
 
 
+def test_attention_benchmark_times_each_way_in_both_dtypes(tmp_path):
+    """Every way in both dtypes, a median round each, and errors against float64 that bfloat16's summing explains."""
+    out = tmp_path / "attention.json"
+    run_script("examples/attention_benchmark.py", "--contexts", "3,5", "--layers", "2", "--rounds", "3", "--threads",
+               "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    rows = {(row["dtype"], row["way"]): row for row in record["results"]}
+    assert set(rows) == {(dtype, way) for dtype in ("float32", "bfloat16")
+                         for way in ("float32-sums", "dtype-products", "sdpa")}
+    assert all(len(row["rounds_us"]) == 3 and row["us_per_call"] == sorted(row["rounds_us"])[1]
+               for row in rows.values())
+    assert all(row["max_error"] < 1e-6 for (dtype, _), row in rows.items() if dtype == "float32")
+    assert rows["bfloat16", "float32-sums"]["max_error"] < 2**-8  # inputs of bfloat16, one rounding of the output
+
+
 def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path):
     """Every category is found (a linear layer's and attention's operators are told apart by where they were called
     from), the shares add up to the whole step, and the bytes count every weight once plus the keys and values."""

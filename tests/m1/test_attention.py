@@ -59,6 +59,17 @@ def test_decode_attention_reads_the_key_value_head_of_each_query_heads_group():
                  expected[0], FLOAT32)
 
 
+def test_decode_attention_in_bfloat16_sums_in_float32_and_rounds_once():
+    """bfloat16 in and out, float32 inside: the float32 result on the same numbers, rounded once at the end."""
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 9, 64, generator=generator).bfloat16()
+    keys, values = (torch.randn(3, 40, 64, generator=generator).bfloat16() for _ in range(2))
+    out = decode_attention(q, keys, values)
+    assert out.dtype == torch.bfloat16
+    in_float32 = decode_attention(q.float(), keys.float(), values.float()).bfloat16()
+    expect_close("decode_attention in bfloat16", out, in_float32, EXACT, source="float32 on the same numbers, rounded")
+
+
 @pytest.mark.parametrize("prompt_len", [11, 1])
 def test_attention_writes_the_cache_and_matches_causal_attention(prompt_len):
     """Each token's output is full causal attention's at that token, computed from the cache a step at a time."""
