@@ -118,21 +118,22 @@ def paged_decode_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.
                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Every request's one new token at once, in fixed shapes: what a captured decode step runs.
 
-    The compiled kernel's signature, in plain torch. Each request reads every block of its
-    (padded) table, and a mask hides the positions at or beyond its context length, so the
-    shapes depend on the batch size and ``max_model_len`` alone, never on the data.
+    The compiled kernel's signature, in plain torch, summed in float32 as the kernel and
+    ``decode_attention`` are. Each request reads every block of its (padded) table, and a
+    mask hides the positions at or beyond its context length, so the shapes depend on the
+    batch size and ``max_model_len`` alone, never on the data.
     q: [n, heads, dim]; pool_k, pool_v: [blocks, kv_heads, block_size, dim]; block_tables: [n, max_blocks].
     """
     n, num_heads, dim = q.shape
     _, num_kv_heads, block_size, _ = pool_k.shape
     keys = pool_k[block_tables].transpose(1, 2).reshape(n, num_kv_heads, -1, dim)  # [n, kv_heads, positions, dim]
     values = pool_v[block_tables].transpose(1, 2).reshape(n, num_kv_heads, -1, dim)
-    q = q.view(n, num_kv_heads, num_heads // num_kv_heads, dim)  # query heads grouped by the kv head they read
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [n, kv_heads, group, positions]
+    q = q.view(n, num_kv_heads, num_heads // num_kv_heads, dim).float()  # query heads grouped by their kv head
+    scores = torch.matmul(q, keys.float().transpose(2, 3)) * scale  # [n, kv_heads, group, positions], float32
     visible = torch.arange(keys.shape[2], device=q.device) < context_lens[:, None]  # [n, positions]
-    scores = scores.float().masked_fill(~visible[:, None, None, :], float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1).to(values.dtype), values)
-    return out.view(n, num_heads, dim)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), values.float())
+    return out.to(values.dtype).view(n, num_heads, dim)
 # --8<-- [end:paged_decode_attention]
 
 
