@@ -61,6 +61,13 @@ CATALOGUE = (
         "log-probabilities reported from the penalized logits instead of the model's own",
     ),
     Mutation(
+        "m1-decode-attention-sums-in-bfloat16", "milestones/m1/attention.py",
+        "    out = torch.bmm(scores.softmax(dim=-1), values.float())\n    return out.to(values.dtype).view(1, -1, dim)",
+        "    out = torch.bmm(scores.softmax(dim=-1).to(values.dtype), values)\n    return out.view(1, -1, dim)",
+        ("tests/m1/test_attention.py::test_decode_attention_in_bfloat16_sums_in_float32_and_rounds_once",),
+        "the attention weights rounded to bfloat16 before they multiply the values, a rounding on every weight",
+    ),
+    Mutation(
         "m2-budget-ignored", "milestones/m2/scheduler.py",
         "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
         "        num_new = seq.num_tokens - seq.num_computed_tokens\n",
@@ -341,6 +348,13 @@ CATALOGUE = (
         "        self._fill(self.positions, size, inputs.positions + [0] * pad)\n", "",
         ("tests/m5/test_vs_m4.py::test_m5_matches_m4_on_a_mixed_workload",),
         "a replay reads the positions its static buffer held at capture, not this step's",
+    ),
+    Mutation(
+        "m5-paged-decode-scores-in-bfloat16", "milestones/m5/attention.py",
+        "scores = torch.matmul(q, keys.float().transpose(2, 3)) * scale",
+        "scores = torch.matmul(q, keys.transpose(2, 3).to(q.dtype)).to(keys.dtype).float() * scale",
+        ("tests/m5/test_paged_decode_attention.py",),
+        "the captured step's scores rounded to the cache's dtype, where the kernel keeps them in float32",
     ),
     Mutation(
         "m6-penalty-history-unresolved", "milestones/m6/sampler.py",
