@@ -146,6 +146,7 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
                   setup: Setup) -> list[tuple[str, Callable[[], dict]]]:
     """Each row to measure, as (its workload label, a call that measures it); the batch workload is one per size."""
     args, runs = setup.args, []
+    unused = [llm]  # the loaded engine serves one pass of a served workload, the first; every other pass a new one
     for workload in args.workloads:
         if workload == "decode":
             runs.append(("decode", functools.partial(decode_row, row, mod, llm, setup, [setup.workloads.decode_prompt],
@@ -157,7 +158,7 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
                                                          setup.workloads.batch_prompts[:size], f"batch-{size}"))
                      for size in args.batch_sizes]
         else:
-            runs.append((workload, functools.partial(mixed_passes, row, mod, llm, new_llm, setup, workload)))
+            runs.append((workload, functools.partial(mixed_passes, row, mod, unused, new_llm, setup, workload)))
     return runs
 
 
@@ -194,17 +195,16 @@ def graph_stats(llm, since: dict | None = None) -> dict | None:
     return stats
 
 
-def mixed_passes(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any], setup: Setup,
+def mixed_passes(row: MilestoneRow, mod: ModuleType, unused: list, new_llm: Callable[[], Any], setup: Setup,
                  workload: str) -> dict:
-    """Serve the workload --mixed-runs times: the first pass on ``llm``, every later one on a new engine.
+    """Serve the workload --mixed-runs times, each pass on a new engine but the row's first (the loaded engine,
+    while ``unused`` holds it): in this call, in later rounds' (--interleave) and in the other served workloads'.
 
     A new engine per pass keeps the passes alike: m4's prefix cache, for one,
     would otherwise start every pass after the first with the prompts cached.
     """
-    engines = [llm]
-
     def one_pass() -> dict:
-        return mixed_row(row, mod, engines.pop() if engines else new_llm(), setup, workload)
+        return mixed_row(row, mod, unused.pop() if unused else new_llm(), setup, workload)
 
     return median_run(one_pass, setup.args.mixed_runs)
 
