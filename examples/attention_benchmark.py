@@ -12,10 +12,10 @@ length as the model has layers:
                  they summed in float32), the softmax in float32
   sdpa           ``F.scaled_dot_product_attention`` with 4-D inputs and ``enable_gqa``
 
-The first two take turns over --rounds rounds, then dtype-products runs its rounds: in bfloat16
-torch hands its products to oneDNN, and once oneDNN has run, the other rows run up to twice as
-slowly in the same process (seen on a 2-CPU AMD EPYC). Each row reports the median round's
-microseconds a call, and the largest difference from a float64 reference.
+float32-sums and sdpa take turns over --rounds rounds, then dtype-products runs its rounds (in
+bfloat16 torch hands its products to oneDNN, after which the other rows ran more slowly in some
+runs). Each row reports the median round's microseconds a call, every round (the JSON), and the
+largest difference from a float64 reference.
 """
 
 from __future__ import annotations
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{results[-1]['dtype']:9} {name:15} {results[-1]['us_per_call']:8.1f} us/call"
                   f"   max error {error:.2e}")
     if args.out:
-        record = {"command": " ".join(sys.argv), "threads": torch.get_num_threads(), "contexts": [first, last],
+        command = " ".join(["examples/attention_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
+        record = {"command": command, "threads": torch.get_num_threads(), "contexts": [first, last],
                   "layers": args.layers, "rounds": args.rounds, "torch": torch.__version__, "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

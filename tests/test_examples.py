@@ -588,7 +588,8 @@ def test_attention_benchmark_times_each_way_in_both_dtypes(tmp_path):
     assert all(len(row["rounds_us"]) == 3 and row["us_per_call"] == sorted(row["rounds_us"])[1]
                for row in rows.values())
     assert all(row["max_error"] < 1e-6 for (dtype, _), row in rows.items() if dtype == "float32")
-    assert rows["bfloat16", "float32-sums"]["max_error"] < 2**-8  # inputs of bfloat16, one rounding of the output
+    # each output a weighted mean of values drawn from N(0, 1), under 2 here, rounded once to 8 significant bits
+    assert rows["bfloat16", "float32-sums"]["max_error"] < 2**-7
 
 
 def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path):
