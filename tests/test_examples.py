@@ -184,28 +184,18 @@ def test_benchmark_mixed_runs_report_the_median_pass(tiny_model_path, tmp_path):
     assert stdout.count("run 3/3:") == 2
 
 
-def test_benchmark_passes_do_not_share_a_prefix_cache(tiny_model_path, tmp_path):
-    """Each pass after the first gets a new engine: m4's second pass must not find the prompts already cached."""
+@pytest.mark.parametrize("repeat", ["--mixed-runs", "--interleave"])
+def test_benchmark_passes_do_not_share_a_prefix_cache(tiny_model_path, tmp_path, repeat):
+    """Each pass after the first, or each round (--interleave), gets a new engine: m4's second must not find the
+    prompts already cached."""
     out = tmp_path / "bench.json"
     run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
-               "--engines", "m4", "--workloads", "shared", "--mixed-runs", "2", "--num-requests", "4",
+               "--engines", "m4", "--workloads", "shared", repeat, "2", "--num-requests", "4",
                "--max-num-seqs", "1", "--shared-prefix-len", "48", "--shared-output-len-range", "4,8",
                "--out", str(out))
     (row,) = json.loads(out.read_text())["results"]
     computed = [run["prompt_tokens_computed"] for run in row["runs"]]
     assert computed[0] == computed[1] < row["prompt_tokens"], computed  # the shared prefix is reused within a pass only
-
-
-def test_interleaved_rounds_do_not_share_a_prefix_cache(tiny_model_path, tmp_path):
-    """Each round after the first serves the workload on a new engine, as each pass after the first does."""
-    out = tmp_path / "bench.json"
-    run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
-               "--engines", "m4", "--workloads", "shared", "--interleave", "2", "--num-requests", "4",
-               "--max-num-seqs", "1", "--shared-prefix-len", "48", "--shared-output-len-range", "4,8",
-               "--out", str(out))
-    (row,) = json.loads(out.read_text())["results"]
-    computed = [run["prompt_tokens_computed"] for run in row["runs"]]
-    assert computed[0] == computed[1] < row["prompt_tokens"], computed  # the shared prefix is reused within a round
 
 
 def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
