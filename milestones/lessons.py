@@ -79,7 +79,10 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "ctx.slot_mapping; then attend over rows 0..ctx.context_len-1: one new token with "
                        "decode_attention (it sees every row), a prompt causally (token i sees rows 0..i; "
                        "`F.scaled_dot_product_attention` takes [1, heads, n, dim] and `enable_gqa=True`). Return "
-                       "[n, heads, dim]. The tests check the output and every row of the cache after each step."),
+                       "[n, heads, dim]. The tests check the output and every row of the cache after each step. (If "
+                       "ctx.kernel_batch is set, a CPU speed-up, the runner wants the step's attention from the "
+                       "compiled kernel instead, once k and v are written: `batch.kernel(q, k_cache[:, :, None], "
+                       "v_cache[:, :, None], batch.block_tables, batch.context_lens, head_dim ** -0.5)`.)"),
               Exercise("attention.py", "decode_attention", ("decode_attention",),
                        "one query q [1, heads, dim] against keys and values [kv_heads, context_len, dim]: the "
                        "softmax of `q . k / sqrt(dim)` weights the values, all in float32 (`.float()` on q, keys and "
@@ -160,7 +163,8 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "position) and whose context_len is num_computed_tokens + num_new; sample_rows [num_new - 1] "
                        "(only the last new token predicts), sample_seqs [seq], and prompt_rows "
                        "`PromptLogprobRows.of(seq, 0, start, start + num_new)` (the rows that score the prompt, if "
-                       "the request asks for prompt_logprobs)."),
+                       "the request asks for prompt_logprobs). With self.decode_kernel set, a step of one new token "
+                       "also sets `ctx.kernel_batch = self.kernel_batch(ctx.context_len)`."),
               Exercise("model_runner.py", "execute", ("ModelRunner.execute",),
                        "prepare the inputs, run self.model over them once, take the hidden rows of "
                        "inputs.sample_rows through self.compute_logits (the CPU's packed head, or the model's), and "

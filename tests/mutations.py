@@ -68,6 +68,21 @@ CATALOGUE = (
         "the attention weights rounded to bfloat16 before they multiply the values, a rounding on every weight",
     ),
     Mutation(
+        "m1-kernel-reads-before-the-write", "milestones/m1/attention.py",
+        "    k_cache.index_copy_(0, ctx.slot_mapping, k)\n    v_cache.index_copy_(0, ctx.slot_mapping, v)\n"
+        "    if (batch := ctx.kernel_batch) is not None:  # blocks of one row: [max_model_len, kv_heads, 1, dim]\n"
+        "        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables, "
+        "batch.context_lens,\n"
+        "                            q.shape[-1] ** -0.5)\n",
+        "    if (batch := ctx.kernel_batch) is not None:  # blocks of one row: [max_model_len, kv_heads, 1, dim]\n"
+        "        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables, "
+        "batch.context_lens,\n"
+        "                            q.shape[-1] ** -0.5)\n"
+        "    k_cache.index_copy_(0, ctx.slot_mapping, k)\n    v_cache.index_copy_(0, ctx.slot_mapping, v)\n",
+        ("tests/kernels/test_decode_attention.py::test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_one_row",),
+        "the compiled kernel called before the step's key and value are in the cache: the new token misses itself",
+    ),
+    Mutation(
         "m2-budget-ignored", "milestones/m2/scheduler.py",
         "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
         "        num_new = seq.num_tokens - seq.num_computed_tokens\n",

@@ -42,7 +42,7 @@ def fast_paths(runner) -> dict[str, bool]:
     The keys are the JSON's: ``packed_linear`` stays the name the published results use.
     """
     return {
-        "decode_kernel": getattr(runner, "decode_kernel", None) is not None,  # m1 has no decode kernel
+        "decode_kernel": runner.decode_kernel is not None,
         "packed_linear": runner.packed_lm_head is not None,
     }
 

@@ -1,7 +1,7 @@
 """Platform speed-ups that are no lesson: the milestones opt in through two engine switches.
 
-* ``attention_backend`` (m2 on): decode attention for every decoding request of a
-  step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
+* ``attention_backend`` (every milestone): decode attention for every decoding request
+  of a step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
   op ``milestones::decode_attention``; "torch" keeps the lesson's own attention.
 * ``linear_backend`` (every milestone): linear layers through a compiled kernel over
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for

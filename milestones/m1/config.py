@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from milestones import options
-from milestones.kernels import check_linear_backend
+from milestones.kernels import check_attention_backend, check_linear_backend
 
 
 @dataclass(slots=True)
@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None: the model's own limit
     seed: int = 0  # seeds the requests that bring no seed of their own
     linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
+    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32/bf16; "auto"
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
@@ -36,6 +37,7 @@ class EngineConfig:
             )
         options.check(self, OPTIONS)
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
+        check_attention_backend(self.attention_backend, device, dtype)  # another one
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import pack_linear_layers_for
+from milestones.kernels import decode_kernel_for, pack_linear_layers_for
 from milestones.transfer import to_device
 
-from .attention import AttentionContext
+from .attention import AttentionContext, KernelBatch
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler, ranked_logprobs
@@ -36,6 +36,9 @@ class ModelRunner:
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
+        # Another: on a CPU, a decode step's attention in one compiled call (None: the lesson's attention.py).
+        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
+        self.block_table = torch.arange(config.max_model_len, device=config.device)[None]  # the kernel's, sliced
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -79,6 +82,13 @@ class ModelRunner:
         input_ids = torch.tensor(seq.token_ids[start : start + num_new], device=self.device)
         positions = torch.arange(start, start + num_new, device=self.device)
         ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=positions, context_len=start + num_new)
+        if num_new == 1 and self.decode_kernel is not None:
+            ctx.kernel_batch = self.kernel_batch(ctx.context_len)
         return ModelInputs(input_ids, positions, ctx, sample_rows=[num_new - 1], sample_seqs=[seq],  # the last predicts
                            prompt_rows=PromptLogprobRows.of(seq, 0, start, start + num_new))
     # --8<-- [end:prepare_inputs]
+
+    def kernel_batch(self, context_len: int) -> KernelBatch:
+        """The decode step as one call of the compiled kernel, each cache row seen as a block of one position."""
+        lens = to_device([context_len], torch.long, self.device)
+        return KernelBatch(self.decode_kernel, self.block_table[:, :context_len], lens)

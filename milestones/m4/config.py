@@ -20,9 +20,9 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
     seed: int = 0  # seeds the requests that bring no seed of their own
     linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
+    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32/bf16; "auto"
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
-    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32/bf16; "auto"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)

@@ -1,4 +1,4 @@
-"""The compiled decode kernel against m2's plain-torch decode attention, and the attention_backend switch."""
+"""The compiled decode kernel against the plain-torch decode attention, and the attention_backend switch (m1, m2)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 
 import milestones.kernels.build as kernel_build
 import milestones.kernels.decode_attention as decode_attention_build
-from milestones import m2
+from milestones import m1, m2
+from milestones.m1.attention import AttentionContext, KernelBatch, attention
 from milestones.m2.attention import decode_attention
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
@@ -86,17 +87,42 @@ def test_the_kernel_is_one_opaque_op_to_torch_compile(kernel):
 
 
 @needs_compiler
-def test_the_backends_give_the_same_tokens(tiny_model_path):
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
+def test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_one_row(kernel, dtype, tolerance):
+    """m1's contiguous cache, [max_model_len, kv_heads, dim] a layer, read through the block table 0, 1, 2, ...
 
+    The same keys and values are written as without the kernel; the output is the lesson's within float32 sums in
+    another order (bfloat16: the float32 result rounded once, so at most the neighbouring bfloat16).
+    """
+    torch.manual_seed(5)
+    layers, max_len, heads, kv_heads, dim, filled = 2, 64, 9, 3, 64, 37
+    caches = [torch.randn(layers, max_len, kv_heads, dim).to(dtype) for _ in range(2)]
+    q, k, v = torch.randn(1, heads, dim).to(dtype), *(torch.randn(1, kv_heads, dim).to(dtype) for _ in range(2))
+    row = torch.tensor([filled - 1])
+    lesson = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled)
+    ours = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled,
+                            kernel_batch=KernelBatch(kernel, torch.arange(filled)[None], torch.tensor([filled])))
+    expected, out = attention(q, k, v, 1, lesson), attention(q, k, v, 1, ours)
+    assert out.dtype == dtype
+    assert torch.equal(ours.k_cache, lesson.k_cache) and torch.equal(ours.v_cache, lesson.v_cache)
+    torch.testing.assert_close(out, expected, atol=tolerance / 4, rtol=tolerance)
+
+
+@needs_compiler
+@pytest.mark.parametrize("mod", [m1, m2], ids=["m1", "m2"])
+def test_the_backends_give_the_same_tokens(tiny_model_path, mod):
     prompts, settings = mixed_workload(12, seed=7, max_prompt=90, max_output=40)
-    limits = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
-    reference = run(m2, m2.LLM(tiny_model_path, attention_backend="torch", **limits), prompts, settings)
-    llm = m2.LLM(tiny_model_path, attention_backend="cpp", **limits)
+    limits = dict(device="cpu", max_model_len=256)
+    if mod is m2:
+        limits |= dict(max_num_seqs=5, max_num_batched_tokens=24)
+    reference = run(mod, mod.LLM(tiny_model_path, attention_backend="torch", **limits), prompts, settings)
+    llm = mod.LLM(tiny_model_path, attention_backend="cpp", **limits)
     assert llm.engine.runner.decode_kernel is not None
-    assert_same_outputs(run(m2, llm, prompts, settings), reference)
+    assert_same_outputs(run(mod, llm, prompts, settings), reference)
 
 
-def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, tiny_model_path):
+@pytest.mark.parametrize("mod", [m1, m2], ids=["m1", "m2"])
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, tiny_model_path, mod):
     def broken():
         raise OSError("no C++ compiler found")
 
@@ -105,17 +131,18 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, t
     with pytest.raises(RuntimeError, match="attention_backend='torch'"):
         decode_attention_build.decode_kernel_for("cpp", CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain-torch attention"):
-        llm = m2.LLM(tiny_model_path, device="cpu", max_model_len=128, attention_backend="auto")
+        llm = mod.LLM(tiny_model_path, device="cpu", max_model_len=128, attention_backend="auto")
     assert llm.engine.runner.decode_kernel is None
-    out = llm.generate([[5, 6, 7]], m2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    out = llm.generate([[5, 6, 7]], mod.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_backend_option_is_checked(tiny_model_path):
+@pytest.mark.parametrize("mod", [m1, m2], ids=["m1", "m2"])
+def test_backend_option_is_checked(tiny_model_path, mod):
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        m2.LLM(tiny_model_path, device="cpu", attention_backend="flash")
+        mod.LLM(tiny_model_path, device="cpu", attention_backend="flash")
     with pytest.raises(ValueError, match="CPU in float32 or bfloat16 only"):
-        m2.LLM(tiny_model_path, device="cpu", dtype="float16", attention_backend="cpp")
+        mod.LLM(tiny_model_path, device="cpu", dtype="float16", attention_backend="cpp")
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
