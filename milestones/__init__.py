@@ -13,7 +13,6 @@ MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6", "m7"]
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
     # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
-    # (and the switch that hands every decode of a step to the compiled kernel of milestones.kernels)
     "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "step.py"},
     # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py",

@@ -80,9 +80,10 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "decode_attention (it sees every row), a prompt causally (token i sees rows 0..i; "
                        "`F.scaled_dot_product_attention` takes [1, heads, n, dim] and `enable_gqa=True`). Return "
                        "[n, heads, dim]. The tests check the output and every row of the cache after each step. (If "
-                       "ctx.kernel_batch is set, a CPU speed-up, the runner wants the step's attention from the "
-                       "compiled kernel instead, once k and v are written: `batch.kernel(q, k_cache[:, :, None], "
-                       "v_cache[:, :, None], batch.block_tables, batch.context_lens, head_dim ** -0.5)`.)"),
+                       "ctx.kernel_batch is set, a CPU speed-up, the step's attention is one call of the compiled "
+                       "kernel instead, once k and v are written: `batch.kernel(q, k, v, tables, lens, scale)` with "
+                       "this layer's caches given a block dimension of one, `k_cache[:, :, None]` and "
+                       "`v_cache[:, :, None]`, the batch's block_tables and context_lens, and `q.shape[-1] ** -0.5`.)"),
               Exercise("attention.py", "decode_attention", ("decode_attention",),
                        "one query q [1, heads, dim] against keys and values [kv_heads, context_len, dim]: the "
                        "softmax of `q . k / sqrt(dim)` weights the values, all in float32 (`.float()` on q, keys and "

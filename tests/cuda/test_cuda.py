@@ -188,6 +188,6 @@ def test_defaults_on_a_gpu_are_cuda_bfloat16_without_cpu_fast_paths(tiny_model_p
     llm = mod.LLM(tiny_model_path, max_model_len=128)
     config, runner = llm.engine.config, llm.engine.runner
     assert config.device.type == "cuda" and config.dtype == torch.bfloat16
-    assert runner.packed_lm_head is None and getattr(runner, "decode_kernel", None) is None
+    assert runner.packed_lm_head is None and runner.decode_kernel is None
     out = llm.generate(["Hello there"], mod.SamplingParams(temperature=0.8, seed=5, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8

@@ -87,22 +87,26 @@ def test_the_kernel_is_one_opaque_op_to_torch_compile(kernel):
 
 
 @needs_compiler
+@pytest.mark.parametrize("filled", [1, 37, 64])  # the first row alone, some, every row of the cache
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2**-7)])
-def test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_one_row(kernel, dtype, tolerance):
+def test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_one_row(kernel, dtype, tolerance, filled):
     """m1's contiguous cache, [max_model_len, kv_heads, dim] a layer, read through the block table 0, 1, 2, ...
 
     The same keys and values are written as without the kernel; the output is the lesson's within float32 sums in
     another order (bfloat16: the float32 result rounded once, so at most the neighbouring bfloat16).
     """
     torch.manual_seed(5)
-    layers, max_len, heads, kv_heads, dim, filled = 2, 64, 9, 3, 64, 37
+    layers, max_len, heads, kv_heads, dim = 2, 64, 9, 3, 64
     caches = [torch.randn(layers, max_len, kv_heads, dim).to(dtype) for _ in range(2)]
     q, k, v = torch.randn(1, heads, dim).to(dtype), *(torch.randn(1, kv_heads, dim).to(dtype) for _ in range(2))
     row = torch.tensor([filled - 1])
     lesson = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled)
-    ours = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled,
-                            kernel_batch=KernelBatch(kernel, torch.arange(filled)[None], torch.tensor([filled])))
+    calls = []  # the kernel through a stand-in that counts its calls: attention must not fall back to torch
+    counted = KernelBatch(lambda *args: calls.append(args) or kernel(*args), torch.arange(filled)[None],
+                          torch.tensor([filled]))
+    ours = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled, kernel_batch=counted)
     expected, out = attention(q, k, v, 1, lesson), attention(q, k, v, 1, ours)
+    assert len(calls) == 1, "with ctx.kernel_batch set, a decode step's attention is one call of batch.kernel"
     assert out.dtype == dtype
     assert torch.equal(ours.k_cache, lesson.k_cache) and torch.equal(ours.v_cache, lesson.v_cache)
     torch.testing.assert_close(out, expected, atol=tolerance / 4, rtol=tolerance)
@@ -117,8 +121,11 @@ def test_the_backends_give_the_same_tokens(tiny_model_path, mod):
         limits |= dict(max_num_seqs=5, max_num_batched_tokens=24)
     reference = run(mod, mod.LLM(tiny_model_path, attention_backend="torch", **limits), prompts, settings)
     llm = mod.LLM(tiny_model_path, attention_backend="cpp", **limits)
-    assert llm.engine.runner.decode_kernel is not None
+    runner, calls = llm.engine.runner, []
+    kernel = runner.decode_kernel
+    runner.decode_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
     assert_same_outputs(run(mod, llm, prompts, settings), reference)
+    assert len(calls) > 100, "the decodes did not go to the kernel"
 
 
 @pytest.mark.parametrize("mod", [m1, m2], ids=["m1", "m2"])

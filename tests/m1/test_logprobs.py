@@ -3,7 +3,8 @@
 vLLM's default (``raw_logprobs``): the log-softmax of the model's logits, before penalties and temperature, so a
 request's log-probabilities say what the model thinks whatever rule picked its tokens. transformers' ``generate``
 returns those raw logits (``output_logits=True``); both run float32 with the same operators (``linear_backend=
-"torch"``), so they agree within 1e-4 (m1's test of the logits themselves holds them to that).
+"torch"``, ``attention_backend="torch"``), so they agree within 1e-4 (m1's test of the logits themselves holds them
+to that).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ STEPS = 12
 def models(tiny_model_factory):
     path = tiny_model_factory("llama")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf, LLM(path, device="cpu", dtype="float32", max_model_len=512, linear_backend="torch")
+    return hf, LLM(path, device="cpu", dtype="float32", max_model_len=512, linear_backend="torch",
+                   attention_backend="torch")
 
 
 def check_against(completion: CompletionOutput, logits: torch.Tensor, k: int) -> None:

@@ -38,12 +38,13 @@ def hf_generate(hf, prompt: list[int], max_new_tokens: int):
     return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0]
 
 
-@pytest.mark.parametrize("linear_backend", ["torch", "auto"])  # the reference F.linear, and the default CPU fast path
+# both switches: the reference (F.linear, the lesson's attention), and the default CPU fast paths
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_tokens_and_logits_match_transformers(tiny_model_factory, kind, linear_backend):
+def test_tokens_and_logits_match_transformers(tiny_model_factory, kind, backend):
     path = tiny_model_factory(kind)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", dtype="float32", max_model_len=512, linear_backend=linear_backend)
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=512, linear_backend=backend, attention_backend=backend)
     recorder = llm.engine.runner.sampler = RecordingSampler(llm.engine.runner.sampler)
     for prompt in varied_prompts(8):
         recorder.logits.clear()
@@ -70,18 +71,18 @@ def test_prefill_logits_of_every_position_match(tiny_model_factory, kind):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 
-# With F.linear our model runs transformers' own operators: logits within 1e-4. The default CPU path's compiled kernel
-# sums every product in its own fixed order, and the differences in the last bits add up over 30 layers: its logits
-# moved up to 1.34e-4 from transformers' (an AVX-512 machine), so it is held to 5e-4, logits being of order 10; the
-# tokens themselves must be the same.
+# With F.linear and the lesson's attention our model runs transformers' own operators: logits within 1e-4. The default
+# CPU path's compiled kernels sum every product in their own fixed order, and the differences in the last bits add up
+# over 30 layers: its logits moved up to 1.34e-4 from transformers' (an AVX-512 machine, before the decode kernel came
+# to m1), so it is held to 5e-4, logits being of order 10; the tokens themselves must be the same.
 BUNDLED_LOGITS_ATOL = {"torch": 1e-4, "auto": 5e-4}
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("linear_backend", ["torch", "auto"])
-def test_bundled_model_matches_transformers(bundled_model_path, linear_backend):
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # both switches
+def test_bundled_model_matches_transformers(bundled_model_path, backend):
     hf = AutoModelForCausalLM.from_pretrained(bundled_model_path, dtype=torch.float32).eval()
-    llm = LLM(device="cpu", linear_backend=linear_backend)
+    llm = LLM(device="cpu", linear_backend=backend, attention_backend=backend)
     recorder = llm.engine.runner.sampler = RecordingSampler(llm.engine.runner.sampler)
     questions = [
         "What is the capital of France?",
@@ -99,7 +100,7 @@ def test_bundled_model_matches_transformers(bundled_model_path, linear_backend):
         ref_tokens, ref_logits = hf_generate(hf, prompt, 40)
         n = len(ref_tokens)  # transformers stops at EOS; we were told to ignore it
         assert n >= 8 and ours.token_ids[:n] == ref_tokens, question
-        atol = BUNDLED_LOGITS_ATOL[linear_backend]
+        atol = BUNDLED_LOGITS_ATOL[backend]
         torch.testing.assert_close(torch.cat(recorder.logits)[:n], ref_logits, atol=atol, rtol=0)
 
 

@@ -12,7 +12,8 @@ from tests.chain import assert_same_outputs, mixed_workload, run
 def test_m2_matches_m1_on_a_mixed_workload(tiny_model_factory, kind):
     path = tiny_model_factory(kind)
     prompts, settings = mixed_workload(20, seed=3, max_prompt=120, max_output=48)
-    reference = run(m1, m1.LLM(path, device="cpu", max_model_len=256), prompts, settings)
+    # m1 with the lesson's attention: m2's decodes go to the compiled kernel by default, checked here against it too
+    reference = run(m1, m1.LLM(path, device="cpu", max_model_len=256, attention_backend="torch"), prompts, settings)
     # Few slots, so requests queue and join mid-flight; a small budget, so prompts are chunked.
     llm = m2.LLM(path, device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
     ours = run(m2, llm, prompts, settings)
@@ -60,7 +61,7 @@ def test_m2_matches_m1_on_the_bundled_model():
         "Tell me about the ocean.", "What is 12 times 7?", "Write a limerick about a cat.", "Name three planets."
     ]
     prompts[:4] = tokenizer_text
-    reference = run(m1, m1.LLM(device="cpu", max_model_len=256), prompts, settings)
+    reference = run(m1, m1.LLM(device="cpu", max_model_len=256, attention_backend="torch"), prompts, settings)
     batched = m2.LLM(device="cpu", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=48)
     ours = run(m2, batched, prompts, settings)
     assert_same_outputs(ours, reference, settings)
