@@ -582,6 +582,37 @@ def test_attention_benchmark_times_each_way_in_both_dtypes(tmp_path):
     assert rows["bfloat16", "float32-sums"]["max_error"] < 2**-7
 
 
+@needs_compiler  # the kernel it times is built here
+def test_block_layout_benchmark_times_each_layout_in_both_dtypes(tmp_path):
+    """Every layout in both dtypes, a median round each (the script itself checks that the layouts agree)."""
+    out = tmp_path / "layout.json"
+    run_script("examples/block_layout_benchmark.py", "--requests", "3", "--context", "40", "--layers", "2",
+               "--rounds", "3", "--threads", "1", "--out", str(out))
+    record = json.loads(out.read_text())
+    rows = {(row["dtype"], row["layout"]): row for row in record["results"]}
+    assert set(rows) == {(dtype, layout) for dtype in ("float32", "bfloat16")
+                         for layout in ("contiguous", "interleaved", "shuffled")}
+    assert all(len(row["rounds_ms"]) == 3 and row["ms_per_step"] == sorted(row["rounds_ms"])[1]
+               for row in rows.values())
+
+
+def test_block_layouts_place_each_block_where_its_table_says():
+    """The interleaved table hands blocks out a request at a time, and every layout's pool reads back the blocks."""
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    try:
+        layout_benchmark = importlib.import_module("block_layout_benchmark")
+    finally:
+        sys.path.remove(str(REPO_ROOT / "examples"))
+    block_tables, placed = layout_benchmark.block_tables, layout_benchmark.placed
+    tables = block_tables(3, 2, torch.Generator().manual_seed(0))
+    assert tables["interleaved"].tolist() == [[0, 3], [1, 4], [2, 5]]
+    blocks = torch.arange(6.0).view(1, 1, 6, 1, 1).expand(1, 1, 6, 2, 2).contiguous()
+    for table in tables.values():
+        assert sorted(table.flatten().tolist()) == list(range(6))
+        pool = placed(blocks, table)
+        assert torch.equal(pool[:, :, table.flatten()], blocks)
+
+
 def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path):
     """Every category is found (a linear layer's and attention's operators are told apart by where they were called
     from), the shares add up to the whole step, and the bytes count every weight once plus the keys and values."""

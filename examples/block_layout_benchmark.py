@@ -1,0 +1,110 @@
+"""Time the compiled decode-attention kernel on the same contexts with their blocks laid out in the pool three ways.
+
+    python examples/block_layout_benchmark.py
+    python examples/block_layout_benchmark.py --out docs/assets/benchmarks/block-layout.json
+
+A decode step of --requests requests, each with --context cached tokens, in SmolLM2's shapes
+(9 query heads over 3 key/value heads of 64, blocks of 16), one call per layer over a pool
+per layer as the engine keeps it ([kv_heads, blocks, block_size, dim]). Only the block tables
+differ, and where the keys and values sit with them: every layout gives the same output (checked):
+
+  contiguous   each request's blocks one after another: m2's slot, or m3 just after prefills
+  interleaved  block j of request i is block j * requests + i: what m3's free list hands out
+               when the requests grow side by side, a block each in turn
+  shuffled     the blocks in a random order
+
+The layouts take turns over --rounds rounds in each dtype; each reports the median round's
+milliseconds a step (every layer once) and every round (the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from _common import HelpFormatter
+
+from milestones.kernels.decode_attention import DecodeKernel, load_decode_kernel
+
+HEADS, KV_HEADS, DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def block_tables(requests: int, blocks_each: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Each layout's [requests, blocks_each] table over a pool of requests * blocks_each blocks."""
+    order = torch.arange(requests * blocks_each)
+    return {
+        "contiguous": order.view(requests, blocks_each),
+        "interleaved": order.view(blocks_each, requests).T.contiguous(),
+        "shuffled": torch.randperm(requests * blocks_each, generator=generator).view(requests, blocks_each),
+    }
+
+
+def placed(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """A pool holding ``blocks`` (request i's block j at i * blocks_each + j) where ``table`` puts each."""
+    pool = torch.empty_like(blocks)
+    pool[:, :, table.flatten()] = blocks
+    return pool
+
+
+def time_step(kernel: DecodeKernel, q: torch.Tensor, k_pools: torch.Tensor, v_pools: torch.Tensor,
+              table: torch.Tensor, context_lens: torch.Tensor) -> float:
+    """Milliseconds for one call per layer, each layer with its own pool (as a decode step reads them)."""
+    start = time.perf_counter()
+    for k_pool, v_pool in zip(k_pools, v_pools):
+        kernel(q, k_pool.transpose(0, 1), v_pool.transpose(0, 1), table, context_lens, DIM**-0.5)
+    return (time.perf_counter() - start) * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--requests", type=int, default=16, help="requests in the step")
+    p.add_argument("--context", type=int, default=300, help="cached tokens of each request")
+    p.add_argument("--layers", type=int, default=30, help="calls a step, each over its own pool (SmolLM2 has 30)")
+    p.add_argument("--rounds", type=int, default=11, help="rounds the layouts take turns over")
+    p.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's choice")
+    p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernel = load_decode_kernel()
+    generator = torch.Generator().manual_seed(0)
+    blocks_each = -(-args.context // BLOCK_SIZE)
+    tables = block_tables(args.requests, blocks_each, generator)
+    context_lens = torch.full((args.requests,), args.context, dtype=torch.long)
+    pool_shape = (args.layers, KV_HEADS, args.requests * blocks_each, BLOCK_SIZE, DIM)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(args.requests, HEADS, DIM, generator=generator).to(dtype)
+        # request i's block j, in order; each layout puts it where its table says
+        k_blocks, v_blocks = (torch.randn(pool_shape, generator=generator).to(dtype) for _ in range(2))
+        pools = {name: (placed(k_blocks, table), placed(v_blocks, table)) for name, table in tables.items()}
+        outputs = [kernel(q, k[0].transpose(0, 1), v[0].transpose(0, 1), tables[name], context_lens, DIM**-0.5)
+                   for name, (k, v) in pools.items()]
+        if not all(torch.equal(outputs[0], out) for out in outputs):
+            raise RuntimeError("the layouts gave different outputs for the same keys and values")
+        rounds: dict[str, list[float]] = {name: [] for name in tables}
+        for _ in range(args.rounds):
+            for name, (k, v) in pools.items():
+                rounds[name].append(time_step(kernel, q, k, v, tables[name], context_lens))
+        base = statistics.median(rounds["contiguous"])
+        for name in tables:
+            results.append({"dtype": str(dtype).removeprefix("torch."), "layout": name,
+                            "ms_per_step": statistics.median(rounds[name]), "rounds_ms": rounds[name]})
+            print(f"{results[-1]['dtype']:9} {name:12} {results[-1]['ms_per_step']:8.2f} ms/step"
+                  f"   {results[-1]['ms_per_step'] / base:5.2f}x contiguous")
+    if args.out:
+        command = " ".join(["examples/block_layout_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
+        record = {"command": command, "threads": torch.get_num_threads(), "requests": args.requests,
+                  "context": args.context, "layers": args.layers, "rounds": args.rounds, "torch": torch.__version__,
+                  "results": results}
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
