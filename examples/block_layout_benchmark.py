@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from _common import HelpFormatter
+from bench.report import machine_info
 
 from milestones.kernels.decode_attention import DecodeKernel, load_decode_kernel
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         # request i's block j, in order; each layout puts it where its table says
         k_blocks, v_blocks = (torch.randn(pool_shape, generator=generator).to(dtype) for _ in range(2))
         pools = {name: (placed(k_blocks, table), placed(v_blocks, table)) for name, table in tables.items()}
+        del k_blocks, v_blocks  # the pools hold every block: 6 copies of the cache, not 8
         outputs = [kernel(q, k[0].transpose(0, 1), v[0].transpose(0, 1), tables[name], context_lens, DIM**-0.5)
                    for name, (k, v) in pools.items()]
         if not all(torch.equal(outputs[0], out) for out in outputs):
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"   {results[-1]['ms_per_step'] / base:5.2f}x contiguous")
     if args.out:
         command = " ".join(["examples/block_layout_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
-        record = {"command": command, "threads": torch.get_num_threads(), "requests": args.requests,
+        record = {"command": command, "machine": machine_info(torch.device("cpu")),
+                  "threads": torch.get_num_threads(), "requests": args.requests,
                   "context": args.context, "layers": args.layers, "rounds": args.rounds, "torch": torch.__version__,
                   "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")

@@ -37,13 +37,18 @@ def run_script(*args: str, timeout: int = 180, returncodes: tuple[int, ...] = (0
     return proc
 
 
-def import_bench(module: str) -> ModuleType:
-    """examples/bench/<module>, imported the way examples/benchmark.py imports it (with examples/ on sys.path)."""
+def import_example(module: str) -> ModuleType:
+    """examples/<module> (dotted), imported the way the scripts import their helpers (with examples/ on sys.path)."""
     sys.path.insert(0, str(REPO_ROOT / "examples"))
     try:
-        return importlib.import_module(f"bench.{module}")
+        return importlib.import_module(module)
     finally:
         sys.path.remove(str(REPO_ROOT / "examples"))
+
+
+def import_bench(module: str) -> ModuleType:
+    """examples/bench/<module>, imported the way examples/benchmark.py imports it."""
+    return import_example(f"bench.{module}")
 
 
 @pytest.mark.parametrize("mode", ["generate", "stream"])
@@ -584,7 +589,9 @@ def test_attention_benchmark_times_each_way_in_both_dtypes(tmp_path):
 
 @needs_compiler  # the kernel it times is built here
 def test_block_layout_benchmark_times_each_layout_in_both_dtypes(tmp_path):
-    """Every layout in both dtypes, a median round each (the script itself checks that the layouts agree)."""
+    """Every layout in both dtypes, a median round each. The layouts' agreement is the script's own check (it raises
+    on layer 0 before timing), so this test sees only that the script runs and reports; its tables are tested
+    below."""
     out = tmp_path / "layout.json"
     run_script("examples/block_layout_benchmark.py", "--requests", "3", "--context", "40", "--layers", "2",
                "--rounds", "3", "--threads", "1", "--out", str(out))
@@ -598,19 +605,15 @@ def test_block_layout_benchmark_times_each_layout_in_both_dtypes(tmp_path):
 
 def test_block_layouts_place_each_block_where_its_table_says():
     """The interleaved table hands blocks out a request at a time, and every layout's pool reads back the blocks."""
-    sys.path.insert(0, str(REPO_ROOT / "examples"))
-    try:
-        layout_benchmark = importlib.import_module("block_layout_benchmark")
-    finally:
-        sys.path.remove(str(REPO_ROOT / "examples"))
-    block_tables, placed = layout_benchmark.block_tables, layout_benchmark.placed
-    tables = block_tables(3, 2, torch.Generator().manual_seed(0))
+    layout_benchmark = import_example("block_layout_benchmark")
+    tables = layout_benchmark.block_tables(3, 2, torch.Generator().manual_seed(0))
     assert tables["interleaved"].tolist() == [[0, 3], [1, 4], [2, 5]]
-    blocks = torch.arange(6.0).view(1, 1, 6, 1, 1).expand(1, 1, 6, 2, 2).contiguous()
+    blocks = torch.arange(6.0).view(1, 1, 6, 1, 1).expand(1, 1, 6, 2, 2).contiguous()  # block b holds the number b
     for table in tables.values():
         assert sorted(table.flatten().tolist()) == list(range(6))
-        pool = placed(blocks, table)
-        assert torch.equal(pool[:, :, table.flatten()], blocks)
+        pool = layout_benchmark.placed(blocks, table)
+        for i, j in [(i, j) for i in range(3) for j in range(2)]:  # request i's block j sits where the table says
+            assert pool[0, 0, table[i, j], 0, 0] == i * 2 + j
 
 
 def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path):

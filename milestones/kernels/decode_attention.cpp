@@ -17,7 +17,7 @@
 //
 // Blocks anywhere in the pool cost a stream: the CPU's own prefetcher follows a
 // run of reads only within a 4 KiB page, and a block of 16 float32 keys of one
-// head is exactly one page, so with a request's blocks scattered (as m3's block
+// head is a page's size, so with a request's blocks scattered (as m3's block
 // manager leaves them once requests grow side by side) every block would start
 // with a wait on memory. So each loop asks for the row PREFETCH_AHEAD positions
 // on, through the block table, while it works on this one.

@@ -87,6 +87,7 @@ inline void store(O* out, int64_t c, float sum, const float* bias) {
   out[c] = O(bias ? sum + bias[c] : sum);
 }
 
+// --8<-- [start:tile]
 // Part of the next panel for a tile to ask for while it works: a line (one k) every `every` k, from `next` on, into
 // the L2 cache only or into L1 as well.
 template <typename W>
@@ -96,7 +97,6 @@ struct Ahead {
   bool l2_only = false;
 };
 
-// --8<-- [start:tile]
 // out[r][0:cols] = x[r] . panels (+ bias) for ROWS rows of x (float, k long) against PANELS consecutive panels, each
 // [k, 16] (float or bfloat16, panel_stride apart); cols counts the valid columns of all of them. A tile of one panel
 // may be handed part of the next panel to ask for meanwhile.
@@ -153,12 +153,13 @@ void multiply_panels(const float* x, int64_t m, int64_t k, const W* panels, int6
   // --8<-- [start:ahead]
   // Many rows: each panel is read once per tile of rows, the first time from memory. The CPU's prefetcher does not
   // see the next panel coming until the first tile asks for it, and then the tile waits on memory; so while the
-  // tiles work through this panel they ask for the next one, each its share (tile at row r: lines from k r / m on,
-  // one every m / rows k: about one line per m cycles of sums, spread over the whole panel; faster than that
-  // overwhelmed the memory in our trials). With one tile a panel the step goes at memory's own pace: no hint. With
-  // a few tiles the lines come quickly, and asked into L1 they push out the panel the tiles are still reading (a
-  // panel of 576 k is 36 KiB, an L1 32 KiB): up to 3 tiles they go to L2 only (measured: 12 rows 40% faster so,
-  // 64 rows 10% slower).
+  // tiles work through this panel they ask for the next one, each most of its share (tile at row r: lines from
+  // k r / m on, one every ceil(m / rows) k: about one line per m cycles of sums, spread over the panel; faster than
+  // that overwhelmed the memory in our trials). With one tile a panel the step goes at memory's own pace: no hint.
+  // With a few tiles the lines come quickly, and asked into L1 they push out the panel the tiles are still reading
+  // (a panel of 576 k is 36 KiB, an L1 32 KiB): up to 3 tiles they go to L2 only (measured: 12 rows 30% faster
+  // than into L1, 64 rows 10% slower). float32 only: a bfloat16 step of many rows widens each panel into a buffer
+  // first (multiply, below), one panel a call, so `next` stays null there.
   const bool prefetch = m > TILE_ROWS, l2_only = m <= 3 * TILE_ROWS;
   for (; p < count; ++p) {
     const W* panel = panels + p * stride;
