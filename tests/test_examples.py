@@ -224,21 +224,24 @@ def test_benchmark_rows_choose_the_cpu_fast_paths(tiny_model_path, tmp_path):
 
 
 def test_interleaved_rows_take_turns_and_report_the_median_round(tiny_model_path, tmp_path):
+    """Transformers' rows take their turn in every round too: a ratio to hf-static compares passes of one stretch."""
     out = tmp_path / "interleaved.json"
     proc = run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
-                      "--engines", "m2,m3", "--workloads", "decode,mixed", "--interleave", "3", "--runs", "1",
-                      "--decode-tokens", "4", "--num-requests", "3", "--prompt-len-range", "4,12",
-                      "--output-len-range", "2,6", "--out", str(out))
-    rounds = [line for line in proc.stdout.splitlines() if line.startswith(("round ", "- m"))]
-    assert rounds[:5] == ["round 1/3", "- m2: decode ...", "- m2: mixed ...", "- m3: decode ...", "- m3: mixed ..."]
-    assert rounds.count("- m3: mixed ...") == 3 and rounds[-1] == "- m3: mixed ..."
+                      "--engines", "m2,m3,hf-static", "--hf-batch-size", "2", "--workloads", "decode,mixed",
+                      "--interleave", "3", "--runs", "1", "--decode-tokens", "4", "--num-requests", "3",
+                      "--prompt-len-range", "4,12", "--output-len-range", "2,6", "--out", str(out))
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith(("round ", "- m", "- hf"))]
+    one_round = [f"- {name}: {workload} ..." for name in ("m2", "m3") for workload in ("decode", "mixed")]
+    one_round.append("- hf-static-2: mixed ...")
+    assert rounds == [line for number in (1, 2, 3) for line in [f"round {number}/3", *one_round]]
     rows = json.loads(out.read_text())["results"]
     assert [(r["engine"], r["workload"]) for r in rows] == [("m2", "decode"), ("m2", "mixed"), ("m3", "decode"),
-                                                             ("m3", "mixed")]
+                                                             ("m3", "mixed"), ("hf-static-2", "mixed")]
     for row in rows:
         speeds = sorted(r["tokens_per_s"] for r in row["runs"])
         assert row["status"] == "ok" and row["interleaved_rounds"] == 3 and len(speeds) == 3
         assert row["output_tokens_per_s"] == speeds[1]  # the median round
+    assert rows[3]["ratio_to_hf"] == pytest.approx(rows[3]["output_tokens_per_s"] / rows[4]["output_tokens_per_s"])
     bad = subprocess.run([sys.executable, "examples/benchmark.py", "--interleave", "-1"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--interleave must be >= 0" in bad.stderr
@@ -538,15 +541,18 @@ def test_the_gguf_for_llama_cpp_holds_the_same_weights_in_its_own_type(tmp_path)
 
 
 @pytest.mark.real_model
-def test_llama_cpp_rows_run_where_llama_cpp_is_installed(tmp_path):
+@pytest.mark.parametrize("rounds", [0, 2])
+def test_llama_cpp_rows_run_where_llama_cpp_is_installed(tmp_path, rounds):
+    """In turn after the milestones, or taking turns with them (--interleave)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra: pip install -e '.[llama-cpp]'")
     run_script("examples/benchmark.py", "--device", "cpu", "--threads", "1", "--engines", "m1,llama.cpp",
-               "--workloads", "decode", "--runs", "1", "--decode-tokens", "8", "--out", str(tmp_path / "b.json"),
-               timeout=600)
+               "--workloads", "decode", "--runs", "1", "--decode-tokens", "8", "--interleave", str(rounds),
+               "--out", str(tmp_path / "b.json"), timeout=600)
     results = {r["engine"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
     for engine, dtype in (("llama.cpp@f32", "float32"), ("llama.cpp@bf16", "bfloat16")):
         row = results[engine]
         assert row["status"] == "ok" and row["output_tokens"] == 8 and row["dtype"] == dtype, row
+        assert row["threads"] == 1 and row["load_s"] > 0 and row.get("interleaved_rounds") == (rounds or None)
         assert "same_tokens_as_m1" in row  # greedy: compared with m1's tokens
 
 

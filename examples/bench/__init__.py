@@ -6,9 +6,11 @@ workloads, rows and metrics and shows the results. Read in this order:
 
 cli.py             the flags; main() builds the workloads once, runs every row, reports
 workloads.py       decode, mixed and shared: the requests every row serves
-rows.py            the row names (mK, mK@OPTION+OPTION, hf-...), the row dict the JSON holds, the median pass
+rows.py            the row names (mK, mK@OPTION+OPTION, hf-...), the row dict the JSON holds, the median pass,
+                   a Measurement (one loaded row on one workload) and the rounds that take turns (--interleave)
 milestone_rows.py  each milestone through its own engine API
 hf_rows.py         transformers' generate, static batches and continuous batching
+llama_cpp_rows.py  llama.cpp's batch-1 decode in F32 and BF16 (only when named)
 report.py          the JSON's header, ratios to transformers, token agreement, the table
 plots.py           the bar chart (--plot)
 

@@ -12,7 +12,16 @@ from _common import REPO_ROOT, HelpFormatter
 
 from milestones import MILESTONES
 
-from .rows import HF_CB_DEFAULTS, HF_ROWS, LLAMA_CPP_ROWS, MilestoneRow, is_hf_row
+from .rows import (
+    HF_CB_DEFAULTS,
+    HF_ROWS,
+    LLAMA_CPP_ROWS,
+    Measurement,
+    MilestoneRow,
+    is_hf_row,
+    measure_each,
+    measure_in_rounds,
+)
 from .workloads import WORKLOADS, Setup, build_workloads, fitting_max_model_len
 
 DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
@@ -63,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.set_num_threads for the whole run; default: torch's choice")
     g.add_argument("--seed", type=int, default=0, help="seeds the workload and the engines")
     g.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
-                   help="milestone rows take turns: every engine loaded at once, then ROUNDS rounds in which each row "
-                        "measures each workload once (--runs and --mixed-runs count per round); the median round")
+                   help="every row takes turns, transformers' and llama.cpp's too: every engine loaded at once, then "
+                        "ROUNDS rounds in which each row measures each workload once (--runs and --mixed-runs count "
+                        "per round); the median round")
 
     g = p.add_argument_group("decode workload")
     g.add_argument("--decode-tokens", type=int, default=128, help="forced output tokens per run")
@@ -196,15 +206,21 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
-    if args.interleave:
-        save_so_far(milestone_rows.run_interleaved(args.milestone_rows, setup, args.interleave))
-    for row in [] if args.interleave else args.milestone_rows:
-        save_so_far(milestone_rows.run_milestone(row, setup))
-    save_so_far(hf_rows.run_transformers(setup))
-    if args.llama_cpp_rows:  # imported only when asked: llama-cpp-python is an optional extra
-        from . import llama_cpp_rows
+    def load_llama_cpp() -> list[Measurement]:
+        if not args.llama_cpp_rows:
+            return []
+        from . import llama_cpp_rows  # imported only when asked: llama-cpp-python is an optional extra
 
-        save_so_far(llama_cpp_rows.run_llama_cpp(setup))
+        return llama_cpp_rows.load_llama_cpp(setup)
+
+    if args.interleave:  # every row loaded at once, then they take turns
+        loaded = [m for row in args.milestone_rows for m in milestone_rows.load_row(row, setup)]
+        save_so_far(measure_in_rounds(loaded + hf_rows.load_transformers(setup) + load_llama_cpp(), args.interleave))
+    else:  # one milestone's engine loaded at a time, each row's runs back to back
+        for row in args.milestone_rows:
+            save_so_far(milestone_rows.run_milestone(row, setup))
+        save_so_far(measure_each(hf_rows.load_transformers(setup)))
+        save_so_far(measure_each(load_llama_cpp()))
     report.add_ratios_to_hf(rows, args.hf_batch_size)
     report.token_agreement(rows)
     report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth, setup.dtype)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import time
 from collections.abc import Callable
 
@@ -22,7 +21,9 @@ from .rows import (
     HF_CB_DEFAULTS,
     MB,
     ROW_DTYPES,
+    Measurement,
     error_row,
+    failed_measurement,
     inter_token_latency,
     mean,
     median_of_runs,
@@ -67,25 +68,37 @@ def weight_bytes_per_token(config, dtype: torch.dtype) -> int:
     return params * torch.empty(0, dtype=dtype).element_size()
 
 
-def run_transformers(setup: Setup) -> list[dict]:
-    """Measure the selected transformers rows (decode and mixed workloads only), loading the model once per dtype."""
+def wanted_by_dtype(setup: Setup) -> dict[torch.dtype, list[tuple[str, str]]]:
+    """The selected transformers rows (decode and mixed workloads only), as (workload, row name) by model dtype."""
     args = setup.args
-    wanted: dict[torch.dtype, list[tuple[str, str]]] = {}  # dtype -> (workload, row name) in command-line order
+    wanted: dict[torch.dtype, list[tuple[str, str]]] = {}  # in command-line order
     for name in args.hf_rows:
         base, _, option = name.partition("@")
         dtype = getattr(torch, ROW_DTYPES[option]) if option else setup.dtype
         workload = "decode" if base == "hf-generate" else "mixed"
         if workload in args.workloads:
             wanted.setdefault(dtype, []).append((workload, name))
-    rows = []
-    for dtype, dtype_rows in wanted.items():
-        rows += run_in_dtype(dataclasses.replace(setup, dtype=dtype), dtype_rows)
-    return rows
+    return wanted
 
 
-def run_in_dtype(setup: Setup, wanted: list[tuple[str, str]]) -> list[dict]:
+def load_transformers(setup: Setup) -> list[Measurement]:
+    """The selected transformers rows with every dtype's model loaded at once: to take turns with other rows."""
+    return [measurement for dtype, wanted in wanted_by_dtype(setup).items()
+            for measurement in load_in_dtype(dataclasses.replace(setup, dtype=dtype), wanted)]
+
+
+@dataclasses.dataclass(slots=True)
+class Loaded:
+    """A transformers model in one dtype, with its tokenizer: what every row of that dtype measures."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    setup: Setup  # with the model's dtype
+    load_s: float
+
+
+def load_in_dtype(setup: Setup, wanted: list[tuple[str, str]]) -> list[Measurement]:
     """The rows ``wanted``, (workload, row name), with the model loaded once in ``setup.dtype``."""
-    args = setup.args
     hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the report
     try:
         start = time.perf_counter()
@@ -95,28 +108,31 @@ def run_in_dtype(setup: Setup, wanted: list[tuple[str, str]]) -> list[dict]:
         model = AutoModelForCausalLM.from_pretrained(setup.model_path, dtype=setup.dtype).to(setup.device).eval()
         load_s = time.perf_counter() - start
     except Exception as err:
-        return [error_row(w, e, "transformers", err) for w, e in wanted]
-    rows = []
-    for workload, name in wanted:
-        engine, at, option = name.partition("@")
-        label = (f"hf-static-{args.hf_batch_size}" if engine == "hf-static" else engine) + at + option
-        print(f"- {label}: {workload} ...", flush=True)
-        torch.manual_seed(args.seed)
-        try:
-            with torch.inference_mode():
-                if engine == "hf-generate":
-                    row = decode_row(model, tokenizer, setup)
-                elif engine == "hf-static":  # generate keeps no state between calls: one model serves every pass
-                    row = median_run(functools.partial(static_batches_row, model, tokenizer, setup), args.mixed_runs)
-                else:
-                    row = median_run(functools.partial(continuous_row, model, setup), args.mixed_runs)
-            row.update(engine=label, load_s=load_s, dtype=str(setup.dtype).replace("torch.", ""))
-        except Exception as err:
-            row = error_row(workload, label, "transformers", err)
-        rows.append(row)
-    del model
-    gc.collect()
-    return rows
+        return [failed_measurement(w, name, "transformers", err) for w, name in wanted]
+    loaded = Loaded(model, tokenizer, setup, load_s)
+    return [Measurement(name, workload, functools.partial(measure, loaded, name, workload))
+            for workload, name in wanted]
+
+
+def measure(loaded: Loaded, name: str, workload: str) -> dict:
+    """One measurement of the row ``name``: --runs runs of hf-generate, or --mixed-runs passes of the others."""
+    args, model, tokenizer, setup = loaded.setup.args, loaded.model, loaded.tokenizer, loaded.setup
+    engine, at, option = name.partition("@")
+    label = (f"hf-static-{args.hf_batch_size}" if engine == "hf-static" else engine) + at + option
+    print(f"- {label}: {workload} ...", flush=True)
+    torch.manual_seed(args.seed)
+    try:
+        with torch.inference_mode():
+            if engine == "hf-generate":
+                row = decode_row(model, tokenizer, setup)
+            elif engine == "hf-static":  # generate keeps no state between calls: one model serves every pass
+                row = median_run(functools.partial(static_batches_row, model, tokenizer, setup), args.mixed_runs)
+            else:
+                row = median_run(functools.partial(continuous_row, model, setup), args.mixed_runs)
+        row.update(engine=label, load_s=loaded.load_s, dtype=str(setup.dtype).replace("torch.", ""))
+    except Exception as err:
+        row = error_row(workload, label, "transformers", err)
+    return row
 
 
 def generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_new: int,

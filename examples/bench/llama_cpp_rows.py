@@ -11,10 +11,18 @@ the milestones load (``model_store``), and cached next to the converted model.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
-from .rows import error_row, inter_token_latency, median_of_runs, new_row
+from .rows import (
+    Measurement,
+    error_row,
+    failed_measurement,
+    inter_token_latency,
+    median_of_runs,
+    new_row,
+)
 from .workloads import Setup
 
 LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16")
@@ -61,34 +69,45 @@ def gguf_for(option: str) -> Path:
     return target
 
 
-def run_llama_cpp(setup: Setup) -> list[dict]:
-    """Each llama.cpp row the command line named, on the decode workload."""
+def load_llama_cpp(setup: Setup) -> list[Measurement]:
+    """Each llama.cpp row the command line named, its model loaded: a decode measurement each."""
     if "decode" not in setup.args.workloads:
         return []
-    rows = []
-    for engine in setup.args.llama_cpp_rows:
-        print(f"- {engine}: decode ...", flush=True)
-        try:
-            rows.append(decode_row(engine, setup))
-        except Exception as err:
-            rows.append(error_row("decode", engine, "llama.cpp", err))
-    return rows
+    return [load_row(engine, setup) for engine in setup.args.llama_cpp_rows]
 
 
-def decode_row(engine: str, setup: Setup) -> dict:
-    """One prompt, --decode-tokens greedy tokens (end of text never stops it), one warm-up then --runs timed runs."""
+def load_row(engine: str, setup: Setup) -> Measurement:
+    """The row's GGUF loaded into llama.cpp, with the milestones' threads (a row that cannot load: its error row)."""
     import torch
-    from llama_cpp import Llama
 
-    if setup.args.model is not None or setup.device.type != "cpu":
-        raise ValueError("the llama.cpp rows run the bundled model on the CPU only (no --model, --device cpu)")
-    option = engine.partition("@")[2]
+    try:
+        from llama_cpp import Llama
+
+        if setup.args.model is not None or setup.device.type != "cpu":
+            raise ValueError("the llama.cpp rows run the bundled model on the CPU only (no --model, --device cpu)")
+        threads = torch.get_num_threads()  # the milestones' threads
+        prompt, start = setup.workloads.decode_prompt, time.perf_counter()
+        llm = Llama(model_path=str(gguf_for(engine.partition("@")[2])), n_threads=threads, n_threads_batch=threads,
+                    n_ctx=len(prompt) + setup.args.decode_tokens + 8, n_batch=512, verbose=False)
+        load_s = time.perf_counter() - start
+    except Exception as err:
+        return failed_measurement("decode", engine, "llama.cpp", err)
+    return Measurement(engine, "decode", functools.partial(measure, engine, llm, setup,
+                                                           {"load_s": load_s, "threads": threads}))
+
+
+def measure(engine: str, llm, setup: Setup, extra: dict) -> dict:
+    """One measurement: a warm-up and --runs timed runs (the row carries ``extra``: its load time and threads)."""
+    print(f"- {engine}: decode ...", flush=True)
+    try:
+        return decode_row(engine, llm, setup) | extra
+    except Exception as err:
+        return error_row("decode", engine, "llama.cpp", err)
+
+
+def decode_row(engine: str, llm, setup: Setup) -> dict:
+    """One prompt, --decode-tokens greedy tokens (end of text never stops it), one warm-up then --runs timed runs."""
     args, prompt = setup.args, setup.workloads.decode_prompt
-    threads = torch.get_num_threads()  # the milestones' threads
-    start = time.perf_counter()
-    llm = Llama(model_path=str(gguf_for(option)), n_ctx=len(prompt) + args.decode_tokens + 8, n_threads=threads,
-                n_threads_batch=threads, n_batch=512, verbose=False)
-    load_s = time.perf_counter() - start
 
     def one_run() -> tuple[list[int], list[float], float]:
         llm.reset()  # no prefix cache between runs: every run computes its prompt
@@ -107,7 +126,5 @@ def decode_row(engine: str, setup: Setup) -> dict:
         wall = times[-1] - begin
         runs.append({"wall_s": wall, "tokens_per_s": len(tokens) / wall, "ttft_s": times[0] - begin,
                      "itl_s": inter_token_latency(times[0], times[-1], len(tokens))})
-    llm.close()
     return new_row("decode", engine, "llama.cpp", num_requests=1, output_tokens=len(tokens), **median_of_runs(runs),
-                   runs=runs, load_s=load_s, dtype="float32" if option == "f32" else "bfloat16",
-                   threads=threads, _tokens=[tokens])
+                   runs=runs, dtype="float32" if engine.endswith("@f32") else "bfloat16", _tokens=[tokens])

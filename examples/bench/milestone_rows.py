@@ -24,12 +24,14 @@ from milestones.model_store import first_layers_copy
 
 from .rows import (
     MB,
+    Measurement,
     MilestoneRow,
     error_row,
+    failed_measurement,
     inter_token_latency,
     mean,
+    measure_each,
     median_of_runs,
-    median_pass,
     median_run,
     new_row,
 )
@@ -74,17 +76,8 @@ def config_dict(config) -> dict:
             for f in dataclasses.fields(config) for v in [getattr(config, f.name)]}
 
 
-@dataclasses.dataclass(slots=True)
-class LoadedRow:
-    """A milestone row's engine, loaded, with what every result of the row carries and its measurements to run."""
-
-    row: MilestoneRow
-    extra: dict
-    runs: list[tuple[str, Callable[[], dict]]]  # (workload label, a call that measures it once)
-
-
-def load_row(row: MilestoneRow, setup: Setup) -> LoadedRow | list[dict]:
-    """Load the milestone's engine once; a milestone that does not load gives its error rows instead."""
+def load_row(row: MilestoneRow, setup: Setup) -> list[Measurement]:
+    """Load the milestone's engine once: a measurement per workload (a row that does not load, its error rows)."""
     args = setup.args
     try:
         mod = importlib.import_module(f"milestones.{row.milestone}")
@@ -97,49 +90,24 @@ def load_row(row: MilestoneRow, setup: Setup) -> LoadedRow | list[dict]:
         extra = {"engine_kwargs": kwargs, "engine_config": config_dict(llm.engine.config), "load_s": load_s,
                  **fast_paths(llm.engine.runner)}
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
-        return [error_row(w, row.name, "milestone", err) for w in args.workloads]
-    return LoadedRow(row, extra, workload_runs(row, mod, llm, new_llm, setup))
+        return [failed_measurement(w, row.name, "milestone", err) for w in args.workloads]
+    return [Measurement(row.name, workload, functools.partial(measure, row.name, extra, workload, run))
+            for workload, run in workload_runs(row, mod, llm, new_llm, setup)]
 
 
-def measure(loaded: LoadedRow, workload: str, run: Callable[[], dict]) -> dict:
-    print(f"- {loaded.row.name}: {workload} ...", flush=True)
+def measure(name: str, extra: dict, workload: str, run: Callable[[], dict]) -> dict:
+    print(f"- {name}: {workload} ...", flush=True)
     try:
-        return run() | loaded.extra
+        return run() | extra
     except Exception as err:
-        return error_row(workload, loaded.row.name, "milestone", err)
+        return error_row(workload, name, "milestone", err)
 
 
 def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
-    """Load the milestone once and measure it on every selected workload."""
-    loaded = load_row(row, setup)
-    if isinstance(loaded, list):
-        return loaded
-    rows = [measure(loaded, workload, run) for workload, run in loaded.runs]
-    del loaded
+    """Load the milestone once and measure it on every selected workload, then let its engine go."""
+    rows = measure_each(load_row(row, setup))
     gc.collect()
     return rows
-
-
-def run_interleaved(rows: list[MilestoneRow], setup: Setup, rounds: int) -> list[dict]:
-    """Every row's engine loaded at once, then ``rounds`` rounds in which each row measures each workload once:
-    rows that take turns share the machine's drifts (heat, other processes) alike. The median round is reported."""
-    loaded = [load_row(row, setup) for row in rows]
-    passes: dict[tuple[int, str], list[dict]] = {}
-    for number in range(rounds):
-        print(f"round {number + 1}/{rounds}", flush=True)
-        for index, item in enumerate(loaded):
-            for workload, run in [] if isinstance(item, list) else item.runs:
-                passes.setdefault((index, workload), []).append(measure(item, workload, run))
-    results = []
-    for index, item in enumerate(loaded):
-        if isinstance(item, list):
-            results += item
-            continue
-        for workload, _ in item.runs:
-            done = passes[index, workload]
-            failed = [p for p in done if p["status"] != "ok"]
-            results.append(failed[0] if failed else median_pass(done) | {"interleaved_rounds": rounds})
-    return results
 
 
 def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any],

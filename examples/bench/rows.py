@@ -40,6 +40,42 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
 
 
 @dataclass(slots=True)
+class Measurement:
+    """One row on one workload, its engine already loaded: ``run`` measures it once and returns the row.
+
+    ``run`` never raises: a failure comes back as an error row. A row whose engine did not load
+    is a measurement too, one that returns its error row.
+    """
+
+    engine: str
+    workload: str
+    run: Callable[[], dict]
+
+
+def measure_each(measurements: list[Measurement]) -> list[dict]:
+    """Each measurement once, in turn: a row's every run back to back (the default, without --interleave)."""
+    return [measurement.run() for measurement in measurements]
+
+
+def measure_in_rounds(measurements: list[Measurement], rounds: int) -> list[dict]:
+    """``rounds`` rounds in which every measurement runs once, in order, then each one's median round.
+
+    Rows that take turns (milestones, transformers and llama.cpp alike) share the machine's
+    drifts (heat, other processes): a ratio between two of them is read from one stretch of time.
+    """
+    passes: list[list[dict]] = [[] for _ in measurements]
+    for number in range(rounds):
+        print(f"round {number + 1}/{rounds}", flush=True)
+        for done, measurement in zip(passes, measurements):
+            done.append(measurement.run())
+    results = []
+    for done in passes:
+        failed = [p for p in done if p["status"] != "ok"]
+        results.append(failed[0] if failed else median_pass(done) | {"interleaved_rounds": rounds})
+    return results
+
+
+@dataclass(slots=True)
 class MilestoneRow:
     """A milestone row as named on the command line: ``m2``, or ``m2@torch+linear-torch`` with engine options."""
 
@@ -85,6 +121,12 @@ def error_row(workload: str, engine: str, kind: str, err: BaseException) -> dict
     """A row that failed: reported and kept in the JSON, so one broken engine does not sink the others."""
     print(f"  !! {engine} on {workload} failed: {type(err).__name__}: {err}", flush=True)
     return new_row(workload, engine, kind, status="error", error=f"{type(err).__name__}: {err}")
+
+
+def failed_measurement(workload: str, engine: str, kind: str, err: BaseException) -> Measurement:
+    """A row whose engine did not load: reported once, then the same error row each time it is measured."""
+    row = error_row(workload, engine, kind, err)
+    return Measurement(engine, workload, lambda: row)
 
 
 def mean(values: Sequence[float | None]) -> float | None:
