@@ -15,11 +15,12 @@ For each weight shape ([out, in]) and number of rows it times, in one process:
 and reports the median of --reps calls after a warm-up. A row that cannot run here
 (no oneDNN bfloat16, no compiler) is left out, with the reason.
 
-With --stream-layers N it then reads a whole model's weights the way a batch-1 decode
-step does: the shapes N times over (the layers) and the last shape once more (the head),
-one row through each, in float32 and bfloat16 through the compiled kernel, from ordinary
-memory and from memory backed by 2 MiB pages (``milestones/kernels/huge_pages.py``),
-the rounds interleaved: the median pass and the bandwidth it reaches.
+With --stream-layers N it then reads a whole model's weights the way a decode step does:
+the shapes N times over (the layers) and the last shape once more (the head), --stream-rows
+rows through each (1: batch-1 decode; 16: a step of 16 requests), in float32 and bfloat16
+through the compiled kernel, from ordinary memory and from memory backed by 2 MiB pages
+(``milestones/kernels/huge_pages.py``), the rounds interleaved: the median pass, the
+bandwidth it reaches and its GFLOP/s.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's choice")
     p.add_argument("--stream-layers", type=int, default=0,
-                   help="also stream --stream-shapes this many times over, then the last shape once, at one row")
+                   help="also stream --stream-shapes this many times over, then the last shape once")
+    p.add_argument("--stream-rows", default="1", help="rows through each streamed weight, comma-separated")
     p.add_argument("--stream-shapes", type=shape_list, default=LAYER_SHAPES,
                    help="one layer's weights in the order a step reads them, the LM head last")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
@@ -117,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{out_features:6d}x{in_features:<5d} rows {m:4d}  ms: {line}", flush=True)
     stream = []
     if args.stream_layers and "fp32-cpp" not in skipped:
-        stream = stream_model(args.stream_shapes, args.stream_layers, args.reps)
+        stream = stream_model(args.stream_shapes, args.stream_layers, [int(r) for r in args.stream_rows.split(",")],
+                              args.reps)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         command = " ".join(["examples/linear_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
@@ -128,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def stream_model(shapes: list[tuple[int, int]], layers: int, reps: int) -> list[dict]:
-    """One batch-1 pass over a model's packed weights, from ordinary pages and from 2 MiB pages, interleaved."""
+def stream_model(shapes: list[tuple[int, int]], layers: int, row_counts: list[int], reps: int) -> list[dict]:
+    """One pass over a model's packed weights per row count, from ordinary pages and from 2 MiB pages, interleaved."""
     import torch
 
     from milestones.kernels.huge_pages import move_to_huge_pages
@@ -141,24 +144,28 @@ def stream_model(shapes: list[tuple[int, int]], layers: int, reps: int) -> list[
     for dtype, name in ((torch.float32, "fp32-cpp"), (torch.bfloat16, "bf16-cpp")):
         ordinary = [pack_weight(torch.randn(out, in_).to(dtype)) for out, in_ in sequence]
         huge, advised = move_to_huge_pages(ordinary)
-        inputs = {in_: torch.randn(1, in_).to(dtype) for _, in_ in sequence}
         num_bytes = sum(w.numel() * w.element_size() for w in ordinary)
+        flops_per_row = sum(2 * out * in_ for out, in_ in sequence)
+        for m in row_counts:
+            inputs = {in_: torch.randn(m, in_).to(dtype) for _, in_ in sequence}
 
-        def one_pass(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor] = inputs) -> None:
-            for (out, in_), weight in zip(sequence, weights):
-                op(inputs[in_], weight, None, out)
+            def one_pass(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for (out, in_), weight in zip(sequence, weights):
+                    op(inputs[in_], weight, None, out)
 
-        times: dict[str, list[float]] = {"4 KiB pages": [], "2 MiB pages": []}
-        with torch.inference_mode():
-            for _ in range(reps + 1):  # rounds interleaved; the first is a warm-up
-                for pages, weights in (("4 KiB pages", ordinary), ("2 MiB pages", huge)):
-                    times[pages].append(median_ms(functools.partial(one_pass, weights), 1))
-        for pages, ms in times.items():
-            median = statistics.median(ms[1:])
-            rows.append({"way": name, "pages": pages, "advised": advised, "calls": len(sequence),
-                         "megabytes": num_bytes / 1e6, "ms": median, "gb_per_s": num_bytes / median / 1e6})
-            print(f"stream {name} {len(sequence)} calls, {num_bytes / 1e6:.0f} MB from {pages}: {median:7.2f} ms, "
-                  f"{num_bytes / median / 1e6:5.1f} GB/s", flush=True)
+            times: dict[str, list[float]] = {"4 KiB pages": [], "2 MiB pages": []}
+            with torch.inference_mode():
+                for _ in range(reps + 1):  # rounds interleaved; the first is a warm-up
+                    for pages, weights in (("4 KiB pages", ordinary), ("2 MiB pages", huge)):
+                        times[pages].append(median_ms(functools.partial(one_pass, weights), 1))
+            for pages, ms in times.items():
+                median = statistics.median(ms[1:])
+                gb_per_s, gflop_per_s = num_bytes / median / 1e6, flops_per_row * m / median / 1e6
+                rows.append({"way": name, "pages": pages, "advised": advised, "rows": m, "calls": len(sequence),
+                             "megabytes": num_bytes / 1e6, "ms": median, "gb_per_s": gb_per_s,
+                             "gflop_per_s": gflop_per_s})
+                print(f"stream {name} {len(sequence)} calls x {m} rows, {num_bytes / 1e6:.0f} MB from {pages}: "
+                      f"{median:7.2f} ms, {gb_per_s:5.1f} GB/s, {gflop_per_s:5.1f} GFLOP/s", flush=True)
         del ordinary, huge
     return rows
 

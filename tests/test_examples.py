@@ -560,7 +560,7 @@ def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
     out = tmp_path / "linear.json"
     proc = run_script("examples/linear_benchmark.py", "--shapes", "40x24,20x16", "--rows", "1,7", "--reps", "1",
                       "--threads", "1", "--stream-layers", "3", "--stream-shapes", "40x24,24x40,100x24",
-                      "--out", str(out))
+                      "--stream-rows", "1,9", "--out", str(out))
     record = json.loads(out.read_text())
     assert [(r["out_features"], r["rows"]) for r in record["results"]] == [(40, 1), (40, 7), (20, 1), (20, 7)]
     ways = set(record["results"][0]["ms"])
@@ -569,12 +569,15 @@ def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
                                                "bf16-cpp"}
     assert "left out" in proc.stdout
     if "fp32-cpp" in ways:  # a model's weights streamed: 3 layers of two shapes, then the head, in both kinds of page
-        stream = {(row["way"], row["pages"]): row for row in record["stream"]}
-        assert set(stream) == {(way, pages) for way in ("fp32-cpp", "bf16-cpp") for pages in ("4 KiB pages",
-                                                                                               "2 MiB pages")}
+        stream = {(row["way"], row["pages"], row["rows"]): row for row in record["stream"]}
+        assert set(stream) == {(way, pages, rows) for way in ("fp32-cpp", "bf16-cpp")
+                               for pages in ("4 KiB pages", "2 MiB pages") for rows in (1, 9)}
         assert all(row["calls"] == 7 and row["ms"] > 0 for row in stream.values())
         packed = 3 * (48 * 24 + 32 * 40) + 112 * 24  # outputs padded to whole panels of 16
-        assert stream["fp32-cpp", "2 MiB pages"]["megabytes"] == packed * 4 / 1e6
+        assert stream["fp32-cpp", "2 MiB pages", 9]["megabytes"] == packed * 4 / 1e6
+        flops = 2 * (3 * (40 * 24 + 24 * 40) + 100 * 24)  # a row's: every weight's unpadded outputs
+        row = stream["fp32-cpp", "4 KiB pages", 9]
+        assert row["gflop_per_s"] == pytest.approx(flops * 9 / row["ms"] / 1e6)
 
 
 def test_attention_benchmark_times_each_way_in_both_dtypes(tmp_path):

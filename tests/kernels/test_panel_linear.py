@@ -72,7 +72,7 @@ def test_bfloat16_equals_float32_arithmetic_rounded_once(panel_linear, pairs, ro
     torch.testing.assert_close(out, float32_reference(x, weight, b), rtol=BF16_UNIT, atol=BF16_UNIT)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 64])
 @pytest.mark.parametrize("out_features, in_features", [(100, 77), (192, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_float32_is_within_the_bound_of_any_order_of_sums(panel_linear, rows, out_features, in_features, bias):
@@ -111,14 +111,14 @@ def test_leading_dimensions_are_kept(panel_linear, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_whatever_batch_it_is_in(panel_linear, pairs, dtype):
-    """One order of summation per output: alone, in a tile of 6 or 8, or among 70 rows (bfloat16: panels widened
-    first, or in pairs)."""
+    """One order of summation per output: alone, in a tile of 6 or 8, in one wide tile of 3 to 16 (float32 with
+    AVX-512), or among 70 rows (bfloat16: panels widened first, or in pairs)."""
     if dtype == torch.float32 and pairs:
         pytest.skip("pairs are a bfloat16 layout")
     torch.manual_seed(0)
     weight, x = pack_weight(torch.randn(1530, 576).to(dtype), pairs), torch.randn(70, 576).to(dtype)
     together = panel_linear(x, weight, None, 1530)
-    for size in (1, 2, 5, 6, 7, 8, 9, 13):
+    for size in (1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 17):
         assert torch.equal(panel_linear(x[:size], weight, None, 1530), together[:size]), f"a batch of {size} differs"
     for row in (0, 41, 69):
         assert torch.equal(panel_linear(x[row : row + 1], weight, None, 1530), together[row : row + 1])
