@@ -16,10 +16,8 @@ from .rows import (
     HF_CB_DEFAULTS,
     HF_ROWS,
     LLAMA_CPP_ROWS,
-    Measurement,
     MilestoneRow,
     is_hf_row,
-    measure_each,
     measure_in_rounds,
 )
 from .workloads import WORKLOADS, Setup, build_workloads, fitting_max_model_len
@@ -206,21 +204,18 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
 
-    def load_llama_cpp() -> list[Measurement]:
-        if not args.llama_cpp_rows:
-            return []
-        from . import llama_cpp_rows  # imported only when asked: llama-cpp-python is an optional extra
-
-        return llama_cpp_rows.load_llama_cpp(setup)
-
+    if args.llama_cpp_rows:  # imported only when asked: llama-cpp-python is an optional extra
+        from . import llama_cpp_rows
     if args.interleave:  # every row loaded at once, then they take turns
         loaded = [m for row in args.milestone_rows for m in milestone_rows.load_row(row, setup)]
-        save_so_far(measure_in_rounds(loaded + hf_rows.load_transformers(setup) + load_llama_cpp(), args.interleave))
-    else:  # one milestone's engine loaded at a time, each row's runs back to back
+        loaded += hf_rows.load_transformers(setup)
+        loaded += llama_cpp_rows.load_llama_cpp(setup) if args.llama_cpp_rows else []
+        save_so_far(measure_in_rounds(loaded, args.interleave))
+    else:  # one engine or model loaded at a time, each row's runs back to back
         for row in args.milestone_rows:
             save_so_far(milestone_rows.run_milestone(row, setup))
-        save_so_far(measure_each(hf_rows.load_transformers(setup)))
-        save_so_far(measure_each(load_llama_cpp()))
+        save_so_far(hf_rows.run_transformers(setup))
+        save_so_far(llama_cpp_rows.run_llama_cpp(setup) if args.llama_cpp_rows else [])
     report.add_ratios_to_hf(rows, args.hf_batch_size)
     report.token_agreement(rows)
     report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth, setup.dtype)

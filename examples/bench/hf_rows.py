@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from .rows import (
     failed_measurement,
     inter_token_latency,
     mean,
+    measure_each,
     median_of_runs,
     median_run,
     new_row,
@@ -81,6 +83,15 @@ def wanted_by_dtype(setup: Setup) -> dict[torch.dtype, list[tuple[str, str]]]:
     return wanted
 
 
+def run_transformers(setup: Setup) -> list[dict]:
+    """Measure the selected transformers rows in turn, one dtype's model loaded at a time."""
+    rows = []
+    for dtype, wanted in wanted_by_dtype(setup).items():
+        rows += measure_each(load_in_dtype(dataclasses.replace(setup, dtype=dtype), wanted))
+        gc.collect()  # this dtype's model, before the next loads
+    return rows
+
+
 def load_transformers(setup: Setup) -> list[Measurement]:
     """The selected transformers rows with every dtype's model loaded at once: to take turns with other rows."""
     return [measurement for dtype, wanted in wanted_by_dtype(setup).items()
@@ -110,16 +121,20 @@ def load_in_dtype(setup: Setup, wanted: list[tuple[str, str]]) -> list[Measureme
     except Exception as err:
         return [failed_measurement(w, name, "transformers", err) for w, name in wanted]
     loaded = Loaded(model, tokenizer, setup, load_s)
-    return [Measurement(name, workload, functools.partial(measure, loaded, name, workload))
+    return [Measurement(label(name, setup), workload, functools.partial(measure, loaded, name, workload))
             for workload, name in wanted]
+
+
+def label(name: str, setup: Setup) -> str:
+    """A row's label: hf-static with its batch size (hf-static-16), the dtype option kept."""
+    engine, at, option = name.partition("@")
+    return (f"hf-static-{setup.args.hf_batch_size}" if engine == "hf-static" else engine) + at + option
 
 
 def measure(loaded: Loaded, name: str, workload: str) -> dict:
     """One measurement of the row ``name``: --runs runs of hf-generate, or --mixed-runs passes of the others."""
     args, model, tokenizer, setup = loaded.setup.args, loaded.model, loaded.tokenizer, loaded.setup
-    engine, at, option = name.partition("@")
-    label = (f"hf-static-{args.hf_batch_size}" if engine == "hf-static" else engine) + at + option
-    print(f"- {label}: {workload} ...", flush=True)
+    engine, row_label = name.partition("@")[0], label(name, setup)
     torch.manual_seed(args.seed)
     try:
         with torch.inference_mode():
@@ -129,9 +144,9 @@ def measure(loaded: Loaded, name: str, workload: str) -> dict:
                 row = median_run(functools.partial(static_batches_row, model, tokenizer, setup), args.mixed_runs)
             else:
                 row = median_run(functools.partial(continuous_row, model, setup), args.mixed_runs)
-        row.update(engine=label, load_s=loaded.load_s, dtype=str(setup.dtype).replace("torch.", ""))
+        row.update(engine=row_label, load_s=loaded.load_s, dtype=str(setup.dtype).replace("torch.", ""))
     except Exception as err:
-        row = error_row(workload, label, "transformers", err)
+        row = error_row(workload, row_label, "transformers", err)
     return row
 
 

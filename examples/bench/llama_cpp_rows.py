@@ -12,18 +12,24 @@ the milestones load (``model_store``), and cached next to the converted model.
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .rows import (
     Measurement,
     error_row,
     failed_measurement,
     inter_token_latency,
+    measure_each,
     median_of_runs,
     new_row,
 )
 from .workloads import Setup
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
 LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16")
 GGUF_TYPES = {"f32": "F32", "bf16": "BF16"}  # row option -> GGMLQuantizationType name
@@ -69,6 +75,15 @@ def gguf_for(option: str) -> Path:
     return target
 
 
+def run_llama_cpp(setup: Setup) -> list[dict]:
+    """Each llama.cpp row the command line named, in turn, one model loaded at a time."""
+    rows = []
+    for engine in setup.args.llama_cpp_rows if "decode" in setup.args.workloads else []:
+        rows += measure_each([load_row(engine, setup)])
+        gc.collect()  # this row's model (Llama closes itself when collected), before the next loads
+    return rows
+
+
 def load_llama_cpp(setup: Setup) -> list[Measurement]:
     """Each llama.cpp row the command line named, its model loaded: a decode measurement each."""
     if "decode" not in setup.args.workloads:
@@ -96,16 +111,15 @@ def load_row(engine: str, setup: Setup) -> Measurement:
                                                            {"load_s": load_s, "threads": threads}))
 
 
-def measure(engine: str, llm, setup: Setup, extra: dict) -> dict:
+def measure(engine: str, llm: Llama, setup: Setup, extra: dict) -> dict:
     """One measurement: a warm-up and --runs timed runs (the row carries ``extra``: its load time and threads)."""
-    print(f"- {engine}: decode ...", flush=True)
     try:
         return decode_row(engine, llm, setup) | extra
     except Exception as err:
         return error_row("decode", engine, "llama.cpp", err)
 
 
-def decode_row(engine: str, llm, setup: Setup) -> dict:
+def decode_row(engine: str, llm: Llama, setup: Setup) -> dict:
     """One prompt, --decode-tokens greedy tokens (end of text never stops it), one warm-up then --runs timed runs."""
     args, prompt = setup.args, setup.workloads.decode_prompt
 

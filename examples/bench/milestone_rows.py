@@ -96,7 +96,6 @@ def load_row(row: MilestoneRow, setup: Setup) -> list[Measurement]:
 
 
 def measure(name: str, extra: dict, workload: str, run: Callable[[], dict]) -> dict:
-    print(f"- {name}: {workload} ...", flush=True)
     try:
         return run() | extra
     except Exception as err:

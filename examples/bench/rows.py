@@ -47,14 +47,18 @@ class Measurement:
     is a measurement too, one that returns its error row.
     """
 
-    engine: str
+    engine: str  # the row's label, as the table shows it
     workload: str
     run: Callable[[], dict]
+
+    def __call__(self) -> dict:
+        print(f"- {self.engine}: {self.workload} ...", flush=True)
+        return self.run()
 
 
 def measure_each(measurements: list[Measurement]) -> list[dict]:
     """Each measurement once, in turn: a row's every run back to back (the default, without --interleave)."""
-    return [measurement.run() for measurement in measurements]
+    return [measurement() for measurement in measurements]
 
 
 def measure_in_rounds(measurements: list[Measurement], rounds: int) -> list[dict]:
@@ -67,7 +71,7 @@ def measure_in_rounds(measurements: list[Measurement], rounds: int) -> list[dict
     for number in range(rounds):
         print(f"round {number + 1}/{rounds}", flush=True)
         for done, measurement in zip(passes, measurements):
-            done.append(measurement.run())
+            done.append(measurement())
     results = []
     for done in passes:
         failed = [p for p in done if p["status"] != "ok"]

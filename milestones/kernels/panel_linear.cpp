@@ -172,11 +172,11 @@ void multiply_wide_tile(const float* xt, int64_t k, const float* panel, O* out, 
 }
 // --8<-- [end:wide_tile]
 
-// multiply_wide_tile<rows> for a number of rows known only at run time (1 to WIDE_TILE_ROWS).
+// multiply_wide_tile<rows> for a number of rows known only at run time (WIDE_MIN_ROWS to WIDE_TILE_ROWS).
 template <int ROWS = WIDE_TILE_ROWS, typename O>
 void multiply_wide_rows(const float* xt, int64_t rows, int64_t k, const float* panel, O* out, int64_t n, int64_t cols,
                         const float* bias, Ahead<float> ahead) {
-  if constexpr (ROWS > 1)
+  if constexpr (ROWS > WIDE_MIN_ROWS)
     if (rows < ROWS) return multiply_wide_rows<ROWS - 1>(xt, rows, k, panel, out, n, cols, bias, ahead);
   multiply_wide_tile<ROWS>(xt, k, panel, out, n, cols, bias, ahead);
 }

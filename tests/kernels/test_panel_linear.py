@@ -112,7 +112,8 @@ def test_leading_dimensions_are_kept(panel_linear, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_whatever_batch_it_is_in(panel_linear, pairs, dtype):
     """One order of summation per output: alone, in a tile of 6 or 8, in one wide tile of 3 to 16 (float32 with
-    AVX-512), or among 70 rows (bfloat16: panels widened first, or in pairs)."""
+    AVX-512; without it those sizes take tiles of 6), or among 70 rows (bfloat16: panels widened first, or in
+    pairs)."""
     if dtype == torch.float32 and pairs:
         pytest.skip("pairs are a bfloat16 layout")
     torch.manual_seed(0)
