@@ -47,6 +47,17 @@ def shape_list(text: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"expected OUTxIN[,OUTxIN...], got {text!r}") from None
 
 
+def row_list(text: str) -> list[int]:
+    """Comma-separated row counts, each at least 1, e.g. --rows 1,4,16."""
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated row counts, got {text!r}") from None
+    if min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"every row count must be >= 1, got {text!r}")
+    return rows
+
+
 def median_ms(call: Callable[[], object], reps: int) -> float:
     call()  # warm-up
     times = []
@@ -60,17 +71,19 @@ def median_ms(call: Callable[[], object], reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--shapes", type=shape_list, default=SHAPES, help="weight shapes OUTxIN, comma-separated")
-    p.add_argument("--rows", default="1,4,16,64,256", help="rows per call (tokens in a step), comma-separated")
+    p.add_argument("--rows", type=row_list, default="1,4,16,64,256",
+                   help="rows per call (tokens in a step), comma-separated")
     p.add_argument("--reps", type=int, default=20, help="timed calls per measurement; the median is reported")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's choice")
     p.add_argument("--stream-layers", type=int, default=0,
                    help="also stream --stream-shapes this many times over, then the last shape once")
-    p.add_argument("--stream-rows", default="1", help="rows through each streamed weight, comma-separated")
+    p.add_argument("--stream-rows", type=row_list, default="1",
+                   help="rows through each streamed weight, comma-separated")
     p.add_argument("--stream-shapes", type=shape_list, default=LAYER_SHAPES,
                    help="one layer's weights in the order a step reads them, the LM head last")
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args(argv)
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
 
     import torch
     import torch.nn.functional as F
@@ -119,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{out_features:6d}x{in_features:<5d} rows {m:4d}  ms: {line}", flush=True)
     stream = []
     if args.stream_layers and "fp32-cpp" not in skipped:
-        stream = stream_model(args.stream_shapes, args.stream_layers, [int(r) for r in args.stream_rows.split(",")],
-                              args.reps)
+        stream = stream_model(args.stream_shapes, args.stream_layers, args.stream_rows, args.reps)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         command = " ".join(["examples/linear_benchmark.py", *(sys.argv[1:] if argv is None else argv)])

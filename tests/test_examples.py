@@ -578,6 +578,9 @@ def test_linear_benchmark_times_every_way_this_cpu_has(tmp_path):
         flops = 2 * (3 * (40 * 24 + 24 * 40) + 100 * 24)  # a row's: every weight's unpadded outputs
         row = stream["fp32-cpp", "4 KiB pages", 9]
         assert row["gflop_per_s"] == pytest.approx(flops * 9 / row["ms"] / 1e6)
+    bad = subprocess.run([sys.executable, "examples/linear_benchmark.py", "--stream-rows", "1,0"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "every row count must be >= 1" in bad.stderr
 
 
 def test_attention_benchmark_times_each_way_in_both_dtypes(tmp_path):

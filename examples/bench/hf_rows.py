@@ -119,7 +119,7 @@ def load_in_dtype(setup: Setup, wanted: list[tuple[str, str]]) -> list[Measureme
         model = AutoModelForCausalLM.from_pretrained(setup.model_path, dtype=setup.dtype).to(setup.device).eval()
         load_s = time.perf_counter() - start
     except Exception as err:
-        return [failed_measurement(w, name, "transformers", err) for w, name in wanted]
+        return [failed_measurement(w, label(name, setup), "transformers", err) for w, name in wanted]
     loaded = Loaded(model, tokenizer, setup, load_s)
     return [Measurement(label(name, setup), workload, functools.partial(measure, loaded, name, workload))
             for workload, name in wanted]
