@@ -2,6 +2,7 @@
 
     python examples/block_layout_benchmark.py
     python examples/block_layout_benchmark.py --out docs/assets/benchmarks/block-layout.json
+    python examples/block_layout_benchmark.py --baseline 0148813   # the kernel of a commit beside today's
 
 A decode step of --requests requests, each with --context cached tokens, in SmolLM2's shapes
 (9 query heads over 3 key/value heads of 64, blocks of 16), one call per layer over a pool
@@ -14,15 +15,21 @@ differ, and where the keys and values sit with them: every layout gives the same
   shuffled     the blocks in a random order
 
 The layouts take turns over --rounds rounds in each dtype; each reports the median round's
-milliseconds a step (every layer once) and every round (the JSON).
+milliseconds a step (every layer once) and every round (the JSON). With --baseline REV the
+kernel's source at git revision REV is built too, under an op namespace of its own, and takes
+its turn after today's in every round: a change to the kernel is timed against the old one in
+the same stretch of time, on the same pools (their outputs must be equal, or it raises).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +37,25 @@ import torch
 from _common import HelpFormatter
 from bench.report import machine_info
 
-from milestones.kernels.decode_attention import DecodeKernel, load_decode_kernel
+from milestones.kernels.build import compile_library
+from milestones.kernels.decode_attention import FLAGS, SOURCE, DecodeKernel, load_decode_kernel
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 9, 3, 64, 16
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kernel_at(revision: str) -> DecodeKernel:
+    """decode_attention.cpp as it was at a git revision, built and registered under an op namespace of its own."""
+    path = SOURCE.relative_to(ROOT).as_posix()
+    shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"--baseline {revision}: git cannot show {path} there ({shown.stderr.strip()})")
+    namespace = "milestones_at_" + re.sub(r"\W", "_", revision)
+    text = re.sub(r"TORCH_LIBRARY(_IMPL)?\(milestones,", rf"TORCH_LIBRARY\1({namespace},", shown.stdout)
+    source = Path(tempfile.mkdtemp(prefix="block-layout-")) / SOURCE.name
+    source.write_text(text)
+    compile_library(source, FLAGS)
+    return getattr(torch.ops, namespace).decode_attention.default
 
 
 def block_tables(requests: int, blocks_each: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -68,42 +91,49 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=30, help="calls a step, each over its own pool (SmolLM2 has 30)")
     p.add_argument("--rounds", type=int, default=11, help="rounds the layouts take turns over")
     p.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's choice")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="also time the kernel of this git revision, taking turns with today's")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kernel = load_decode_kernel()
+    kernels = {"this tree": load_decode_kernel()}
+    if args.baseline:
+        kernels[args.baseline] = kernel_at(args.baseline)
     generator = torch.Generator().manual_seed(0)
     blocks_each = -(-args.context // BLOCK_SIZE)
     tables = block_tables(args.requests, blocks_each, generator)
     context_lens = torch.full((args.requests,), args.context, dtype=torch.long)
     pool_shape = (args.layers, KV_HEADS, args.requests * blocks_each, BLOCK_SIZE, DIM)
+    runs = [(kernel_name, name) for name in tables for kernel_name in kernels]  # each layout's kernels side by side
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(args.requests, HEADS, DIM, generator=generator).to(dtype)
-        # request i's block j, in order; each layout puts it where its table says
         k_blocks, v_blocks = (torch.randn(pool_shape, generator=generator).to(dtype) for _ in range(2))
         pools = {name: (placed(k_blocks, table), placed(v_blocks, table)) for name, table in tables.items()}
         del k_blocks, v_blocks  # the pools hold every block: 6 copies of the cache, not 8
-        outputs = [kernel(q, k[0].transpose(0, 1), v[0].transpose(0, 1), tables[name], context_lens, DIM**-0.5)
-                   for name, (k, v) in pools.items()]
+        outputs = [kernels[kernel_name](q, pools[name][0][0].transpose(0, 1), pools[name][1][0].transpose(0, 1),
+                                        tables[name], context_lens, DIM**-0.5) for kernel_name, name in runs]
         if not all(torch.equal(outputs[0], out) for out in outputs):
-            raise RuntimeError("the layouts gave different outputs for the same keys and values")
-        rounds: dict[str, list[float]] = {name: [] for name in tables}
+            raise RuntimeError("the layouts (or the kernels) gave different outputs for the same keys and values")
+        rounds: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
         for _ in range(args.rounds):
-            for name, (k, v) in pools.items():
-                rounds[name].append(time_step(kernel, q, k, v, tables[name], context_lens))
-        base = statistics.median(rounds["contiguous"])
-        for name in tables:
-            results.append({"dtype": str(dtype).removeprefix("torch."), "layout": name,
-                            "ms_per_step": statistics.median(rounds[name]), "rounds_ms": rounds[name]})
-            print(f"{results[-1]['dtype']:9} {name:12} {results[-1]['ms_per_step']:8.2f} ms/step"
+            for kernel_name, name in runs:
+                k, v = pools[name]
+                rounds[kernel_name, name].append(time_step(kernels[kernel_name], q, k, v, tables[name], context_lens))
+        for kernel_name, name in runs:
+            base = statistics.median(rounds[kernel_name, "contiguous"])
+            results.append({"dtype": str(dtype).removeprefix("torch."), "kernel": kernel_name, "layout": name,
+                            "ms_per_step": statistics.median(rounds[kernel_name, name]),
+                            "rounds_ms": rounds[kernel_name, name]})
+            print(f"{results[-1]['dtype']:9} {kernel_name:10} {name:12} {results[-1]['ms_per_step']:8.2f} ms/step"
                   f"   {results[-1]['ms_per_step'] / base:5.2f}x contiguous")
     if args.out:
         command = " ".join(["examples/block_layout_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
         record = {"command": command, "machine": machine_info(torch.device("cpu")),
                   "threads": torch.get_num_threads(), "requests": args.requests,
-                  "context": args.context, "layers": args.layers, "rounds": args.rounds, "torch": torch.__version__,
+                  "context": args.context, "layers": args.layers, "rounds": args.rounds, "baseline": args.baseline,
+                  "torch": torch.__version__,
                   "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

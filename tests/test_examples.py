@@ -11,6 +11,7 @@ import importlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -613,6 +614,25 @@ def test_block_layout_benchmark_times_each_layout_in_both_dtypes(tmp_path):
                          for layout in ("contiguous", "interleaved", "shuffled")}
     assert all(len(row["rounds_ms"]) == 3 and row["ms_per_step"] == sorted(row["rounds_ms"])[1]
                for row in rows.values())
+
+
+@needs_compiler  # both kernels it times are built here
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO_ROOT / ".git").exists(),
+                    reason="--baseline reads the old kernel from git: this checkout has no git history")
+def test_block_layout_benchmark_times_a_baseline_kernel_beside_this_one(tmp_path):
+    """--baseline builds the kernel of a git revision under its own op namespace and times it beside today's, every
+    layout in both dtypes (their outputs equal, or the script raises); a revision git cannot show is refused."""
+    out = tmp_path / "layout.json"
+    run_script("examples/block_layout_benchmark.py", "--requests", "2", "--context", "20", "--layers", "1",
+               "--rounds", "1", "--threads", "1", "--baseline", "HEAD", "--out", str(out))
+    record = json.loads(out.read_text())
+    assert record["baseline"] == "HEAD"
+    assert {(row["kernel"], row["dtype"], row["layout"]) for row in record["results"]} == {
+        (kernel, dtype, layout) for kernel in ("this tree", "HEAD") for dtype in ("float32", "bfloat16")
+        for layout in ("contiguous", "interleaved", "shuffled")}
+    failed = run_script("examples/block_layout_benchmark.py", "--layers", "1", "--rounds", "1",
+                        "--baseline", "no-such-revision", returncodes=(1,))
+    assert "--baseline no-such-revision: git cannot show" in failed.stderr
 
 
 def test_block_layouts_place_each_block_where_its_table_says():
