@@ -2,7 +2,8 @@
 
 * ``attention_backend`` (every milestone): decode attention for every decoding request
   of a step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
-  op ``milestones::decode_attention``; "torch" keeps the lesson's own attention.
+  op ``milestones::decode_attention``, over a KV cache in 2 MiB pages
+  (``kv_cache_zeros``); "torch" keeps the lesson's own attention and plain zeros.
 * ``linear_backend`` (every milestone): linear layers through a compiled kernel over
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import DTYPES as ATTENTION_DTYPES
-from .decode_attention import DecodeKernel, decode_kernel_for, load_decode_kernel
+from .decode_attention import DecodeKernel, decode_kernel_for, kv_cache_zeros, load_decode_kernel
 from .linear_layers import pack_linear_layers_for, swap_linear_layers
 from .packed_linear import PackedLinear, onednn_available
 from .panel_linear import DTYPES as PANEL_DTYPES
@@ -28,8 +29,8 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, 
 
 __all__ = [
     "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "DecodeKernel", "PackedLinear", "PanelLinear", "check_attention_backend",
-    "check_linear_backend", "decode_kernel_for", "load_decode_kernel", "onednn_available", "pack_linear_layers_for",
-    "swap_linear_layers",
+    "check_linear_backend", "decode_kernel_for", "kv_cache_zeros", "load_decode_kernel", "onednn_available",
+    "pack_linear_layers_for", "swap_linear_layers",
 ]
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:

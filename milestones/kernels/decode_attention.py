@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .build import compile_library
+from .huge_pages import zeros_in_huge_pages
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")  # fast-math lets the compiler vectorise the dot products
@@ -63,3 +64,16 @@ def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) ->
             ) from error
         warnings.warn(f"C++ decode-attention kernel unavailable ({error}); using plain-torch attention", stacklevel=2)
         return None
+
+
+# --8<-- [start:kv_cache_zeros]
+def kv_cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, backend: str) -> torch.Tensor:
+    """A zeroed KV cache tensor: on a CPU, unless ``attention_backend`` is "torch", in 2 MiB pages.
+
+    The same zeros either way; decode attention reads them with fewer page walks
+    (kernels.md, "The KV cache in 2 MiB pages"). "torch" keeps the plain reference.
+    """
+    if backend == "torch" or device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return zeros_in_huge_pages(shape, dtype)
+# --8<-- [end:kv_cache_zeros]

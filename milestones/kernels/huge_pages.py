@@ -1,4 +1,4 @@
-"""Packed weights in 2 MiB pages: the memory a batch-1 decode step streams, read with fewer page walks.
+"""Packed weights and the KV cache in 2 MiB pages: the memory a decode step streams, read with fewer page walks.
 
 A decode step at batch 1 reads every weight once, front to back, so it runs at the
 speed memory streams. Memory comes in pages; with Linux's default 4 KiB pages a
@@ -8,7 +8,9 @@ a stream across a page. Linux backs memory with 2 MiB pages where a program asks
 for them (``madvise(MADV_HUGEPAGE)``; "transparent huge pages" is usually set to
 honour only such requests). This module copies the packed weights of every layer
 into one block of memory that asked for them, in the order a step reads them: the
-same numbers, read faster. Measured on the benchmarks page.
+same numbers, read faster. Measured on the benchmarks page. The KV pool is allocated in
+such memory from the start (``zeros_in_huge_pages``): decode attention reads a block of
+one head's keys, a 4 KiB page of its own, wherever the block table says.
 
 Off Linux the weights stay where they are. On Linux they are copied even where the
 request for huge pages is refused or cannot be met (THP turned off, no free 2 MiB
@@ -17,6 +19,7 @@ page): they then sit in ordinary pages. The numbers are the same either way.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -65,3 +68,17 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor],
         copies.append(view)
         offset += size
     return copies, advised
+
+
+# --8<-- [start:zeros]
+def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU, in memory that asked Linux for 2 MiB pages (off Linux, zeros).
+
+    A fresh anonymous mapping reads as zeros, and its pages are only taken when first written.
+    """
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    block, _ = huge_page_arena(max(num_bytes, 1))
+    return block[:num_bytes].view(dtype).view(shape)
+# --8<-- [end:zeros]

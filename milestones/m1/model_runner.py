@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+from milestones.kernels import decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch
@@ -30,8 +30,9 @@ class ModelRunner:
         )
         # One contiguous cache row per position, for every layer, allocated once up front.
         shape = (model_config.num_layers, config.max_model_len, model_config.num_kv_heads, model_config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        # torch.zeros; on a CPU in 2 MiB pages, read faster (a platform speed-up, attention_backend not "torch")
+        self.k_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
+        self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.sampler = Sampler(config.device)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import decode_kernel_for, pack_linear_layers_for
+from milestones.kernels import decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RequestSpan, paged_decode_attention
@@ -49,8 +49,9 @@ class ModelRunner:
         # One block more than the block manager hands out: where the padding rows of a replayed step write.
         shape = (model_config.num_layers, model_config.num_kv_heads, config.num_kv_blocks + 1, config.block_size,
                  model_config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
-        self.v_cache = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        # torch.zeros; on a CPU in 2 MiB pages, read faster (a platform speed-up, attention_backend not "torch")
+        self.k_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
+        self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.sampler = Sampler(config.device)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)

@@ -1,4 +1,5 @@
-"""Packed weights moved into 2 MiB pages keep their numbers, sit in the order a step reads them, and get the pages."""
+"""Packed weights moved into 2 MiB pages keep their numbers, sit in the order a step reads them, and get the pages;
+the KV cache is allocated there, as zeros."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from milestones import m2
+from milestones import m2, m3
 from milestones.kernels import PanelLinear
+from milestones.kernels import kv_cache_zeros
 from milestones.kernels.huge_pages import HUGE_PAGE, move_to_huge_pages
 from milestones.kernels.panel_linear import FusedMLP
 from tests.conftest import needs_compiler
@@ -69,3 +71,28 @@ def test_an_engine_reads_its_packed_weights_front_to_back(tiny_model_path):
     assert len(layers) == 6 * len(runner.model.model.layers) + 1  # q, k, v, o, gate and up as one, down
     if LINUX:
         assert pointers == sorted(pointers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_cache_is_zeros_in_huge_pages_unless_the_backend_is_torch(dtype):
+    """The same zeros whatever the backend; off "torch", on Linux, they start on a 2 MiB boundary of their own mapping
+    and take writes like any tensor."""
+    shape = (2, 3, 5, 16, 8)
+    for backend in ("auto", "cpp", "torch"):
+        cache = kv_cache_zeros(shape, dtype, torch.device("cpu"), backend)
+        assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+        assert torch.equal(cache, torch.zeros(shape, dtype=dtype))
+        if LINUX and backend != "torch":
+            assert cache.data_ptr() % HUGE_PAGE == 0
+        cache[1, 2, 4] = 1.5
+        assert cache.sum().item() == 1.5 * 16 * 8
+
+
+@pytest.mark.skipif(not LINUX, reason="huge pages are asked for on Linux only")
+def test_an_engine_keeps_its_kv_pool_in_huge_pages(tiny_model_path):
+    """m3's pool (every later milestone's runner allocates it the same way) starts on a 2 MiB boundary; with
+    attention_backend="torch" it is plain torch.zeros."""
+    runner = m3.LLM(model=str(tiny_model_path)).engine.runner
+    assert runner.k_cache.data_ptr() % HUGE_PAGE == 0 and runner.v_cache.data_ptr() % HUGE_PAGE == 0
+    reference = m3.LLM(model=str(tiny_model_path), attention_backend="torch").engine.runner
+    assert torch.equal(reference.k_cache, runner.k_cache)  # both all zeros before any request
