@@ -18,7 +18,9 @@ The layouts take turns over --rounds rounds in each dtype; each reports the medi
 milliseconds a step (every layer once) and every round (the JSON). With --baseline REV the
 kernel's source at git revision REV is built too, under an op namespace of its own, and takes
 its turn after today's in every round: a change to the kernel is timed against the old one in
-the same stretch of time, on the same pools (their outputs must be equal, or it raises).
+the same stretch of time, on the same pools (their outputs must be equal, or it raises). With
+--huge-pages every pool is also copied into memory that asked Linux for 2 MiB pages (as the
+engines' KV caches are, kernels.md) and the copies take their turn beside the 4 KiB ones.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from bench.report import machine_info
 
 from milestones.kernels.build import compile_library
 from milestones.kernels.decode_attention import FLAGS, SOURCE, DecodeKernel, load_decode_kernel
+from milestones.kernels.huge_pages import move_to_huge_pages
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 9, 3, 64, 16
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's choice")
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="also time the kernel of this git revision, taking turns with today's")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="also time every layout with its pools in 2 MiB pages, taking turns with 4 KiB ones")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
     if args.threads:
@@ -105,35 +110,42 @@ def main(argv: list[str] | None = None) -> int:
     tables = block_tables(args.requests, blocks_each, generator)
     context_lens = torch.full((args.requests,), args.context, dtype=torch.long)
     pool_shape = (args.layers, KV_HEADS, args.requests * blocks_each, BLOCK_SIZE, DIM)
-    runs = [(kernel_name, name) for name in tables for kernel_name in kernels]  # each layout's kernels side by side
+    page_kinds = ["4 KiB", "2 MiB"] if args.huge_pages else ["4 KiB"]
+    # each layout's kernels and pages side by side
+    runs = [(kernel_name, pages, name) for name in tables for pages in page_kinds for kernel_name in kernels]
     results = []
     for dtype in (torch.float32, torch.bfloat16):
         q = torch.randn(args.requests, HEADS, DIM, generator=generator).to(dtype)
         k_blocks, v_blocks = (torch.randn(pool_shape, generator=generator).to(dtype) for _ in range(2))
-        pools = {name: (placed(k_blocks, table), placed(v_blocks, table)) for name, table in tables.items()}
+        pools = {("4 KiB", name): (placed(k_blocks, table), placed(v_blocks, table)) for name, table in tables.items()}
         del k_blocks, v_blocks  # the pools hold every block: 6 copies of the cache, not 8
-        outputs = [kernels[kernel_name](q, pools[name][0][0].transpose(0, 1), pools[name][1][0].transpose(0, 1),
-                                        tables[name], context_lens, DIM**-0.5) for kernel_name, name in runs]
+        if args.huge_pages:
+            for name in tables:
+                pools["2 MiB", name] = tuple(move_to_huge_pages(list(pools["4 KiB", name]))[0])
+        outputs = [kernels[kernel_name](q, pools[pages, name][0][0].transpose(0, 1),
+                                        pools[pages, name][1][0].transpose(0, 1), tables[name], context_lens, DIM**-0.5)
+                   for kernel_name, pages, name in runs]
         if not all(torch.equal(outputs[0], out) for out in outputs):
             raise RuntimeError("the layouts (or the kernels) gave different outputs for the same keys and values")
-        rounds: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
+        rounds: dict[tuple[str, str, str], list[float]] = {run: [] for run in runs}
         for _ in range(args.rounds):
-            for kernel_name, name in runs:
-                k, v = pools[name]
-                rounds[kernel_name, name].append(time_step(kernels[kernel_name], q, k, v, tables[name], context_lens))
-        for kernel_name, name in runs:
-            base = statistics.median(rounds[kernel_name, "contiguous"])
-            results.append({"dtype": str(dtype).removeprefix("torch."), "kernel": kernel_name, "layout": name,
-                            "ms_per_step": statistics.median(rounds[kernel_name, name]),
-                            "rounds_ms": rounds[kernel_name, name]})
-            print(f"{results[-1]['dtype']:9} {kernel_name:10} {name:12} {results[-1]['ms_per_step']:8.2f} ms/step"
-                  f"   {results[-1]['ms_per_step'] / base:5.2f}x contiguous")
+            for kernel_name, pages, name in runs:
+                k, v = pools[pages, name]
+                rounds[kernel_name, pages, name].append(
+                    time_step(kernels[kernel_name], q, k, v, tables[name], context_lens))
+        for kernel_name, pages, name in runs:
+            base = statistics.median(rounds[kernel_name, pages, "contiguous"])
+            median = statistics.median(rounds[kernel_name, pages, name])
+            results.append({"dtype": str(dtype).removeprefix("torch."), "kernel": kernel_name, "pages": pages,
+                            "layout": name, "ms_per_step": median, "rounds_ms": rounds[kernel_name, pages, name]})
+            print(f"{results[-1]['dtype']:9} {kernel_name:10} {pages:6} {name:12} {median:8.2f} ms/step"
+                  f"   {median / base:5.2f}x contiguous")
     if args.out:
         command = " ".join(["examples/block_layout_benchmark.py", *(sys.argv[1:] if argv is None else argv)])
         record = {"command": command, "machine": machine_info(torch.device("cpu")),
                   "threads": torch.get_num_threads(), "requests": args.requests,
                   "context": args.context, "layers": args.layers, "rounds": args.rounds, "baseline": args.baseline,
-                  "torch": torch.__version__,
+                  "huge_pages": args.huge_pages, "torch": torch.__version__,
                   "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
     return 0

@@ -621,15 +621,16 @@ def test_block_layout_benchmark_times_each_layout_in_both_dtypes(tmp_path):
                     reason="--baseline reads the old kernel from git: this checkout has no git history")
 def test_block_layout_benchmark_times_a_baseline_kernel_beside_this_one(tmp_path):
     """--baseline builds the kernel of a git revision under its own op namespace and times it beside today's, every
-    layout in both dtypes (their outputs equal, or the script raises); a revision git cannot show is refused."""
+    layout in both dtypes and (--huge-pages) in both kinds of page, their outputs equal or the script raises; a
+    revision git cannot show is refused."""
     out = tmp_path / "layout.json"
     run_script("examples/block_layout_benchmark.py", "--requests", "2", "--context", "20", "--layers", "1",
-               "--rounds", "1", "--threads", "1", "--baseline", "HEAD", "--out", str(out))
+               "--rounds", "1", "--threads", "1", "--baseline", "HEAD", "--huge-pages", "--out", str(out))
     record = json.loads(out.read_text())
-    assert record["baseline"] == "HEAD"
-    assert {(row["kernel"], row["dtype"], row["layout"]) for row in record["results"]} == {
-        (kernel, dtype, layout) for kernel in ("this tree", "HEAD") for dtype in ("float32", "bfloat16")
-        for layout in ("contiguous", "interleaved", "shuffled")}
+    assert record["baseline"] == "HEAD" and record["huge_pages"]
+    assert {(row["kernel"], row["pages"], row["dtype"], row["layout"]) for row in record["results"]} == {
+        (kernel, pages, dtype, layout) for kernel in ("this tree", "HEAD") for pages in ("4 KiB", "2 MiB")
+        for dtype in ("float32", "bfloat16") for layout in ("contiguous", "interleaved", "shuffled")}
     failed = run_script("examples/block_layout_benchmark.py", "--layers", "1", "--rounds", "1",
                         "--baseline", "no-such-revision", returncodes=(1,))
     assert "--baseline no-such-revision: git cannot show" in failed.stderr

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from milestones import m2, m3
-from milestones.kernels import PanelLinear
-from milestones.kernels import kv_cache_zeros
+from milestones.kernels import PanelLinear, kv_cache_zeros
 from milestones.kernels.huge_pages import HUGE_PAGE, move_to_huge_pages
 from milestones.kernels.panel_linear import FusedMLP
 from tests.conftest import needs_compiler
