@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import re
 import statistics
 import subprocess
@@ -53,11 +54,15 @@ def kernel_at(revision: str) -> DecodeKernel:
     shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
     if shown.returncode != 0:
         raise SystemExit(f"--baseline {revision}: git cannot show {path} there ({shown.stderr.strip()})")
-    namespace = "milestones_at_" + re.sub(r"\W", "_", revision)
-    text = re.sub(r"TORCH_LIBRARY(_IMPL)?\(milestones,", rf"TORCH_LIBRARY\1({namespace},", shown.stdout)
-    source = Path(tempfile.mkdtemp(prefix="block-layout-")) / SOURCE.name
-    source.write_text(text)
-    compile_library(source, FLAGS)
+    namespace = "milestones_at_" + re.sub(r"[^0-9A-Za-z_]", "_", revision)
+    text, renamed = re.subn(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(\s*milestones\s*,", rf"TORCH_LIBRARY\1({namespace},",
+                            shown.stdout)
+    if renamed == 0:
+        raise SystemExit(f"--baseline {revision}: its {path} registers no op under 'milestones' to rename")
+    with tempfile.TemporaryDirectory(prefix="block-layout-") as folder:  # the build reads the source at once
+        source = Path(folder) / SOURCE.name
+        source.write_text(text)
+        compile_library(source, FLAGS)
     return getattr(torch.ops, namespace).decode_attention.default
 
 
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time every layout with its pools in 2 MiB pages, taking turns with 4 KiB ones")
     p.add_argument("--out", type=Path, default=None, help="write the results here as JSON")
     args = p.parse_args(argv)
+    if args.huge_pages and not hasattr(mmap, "MADV_HUGEPAGE"):
+        p.error("--huge-pages asks Linux for 2 MiB pages (madvise): not on this platform")
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = {"this tree": load_decode_kernel()}
@@ -118,10 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(args.requests, HEADS, DIM, generator=generator).to(dtype)
         k_blocks, v_blocks = (torch.randn(pool_shape, generator=generator).to(dtype) for _ in range(2))
         pools = {("4 KiB", name): (placed(k_blocks, table), placed(v_blocks, table)) for name, table in tables.items()}
-        del k_blocks, v_blocks  # the pools hold every block: 6 copies of the cache, not 8
-        if args.huge_pages:
-            for name in tables:
-                pools["2 MiB", name] = tuple(move_to_huge_pages(list(pools["4 KiB", name]))[0])
+        del k_blocks, v_blocks  # the pools hold every block: one copy per layout (two with --huge-pages), not more
+        for name in tables if args.huge_pages else ():
+            copies, advised = move_to_huge_pages(list(pools["4 KiB", name]))
+            if not advised:
+                raise SystemExit("--huge-pages: Linux refused madvise(MADV_HUGEPAGE) (transparent huge pages off?)")
+            pools["2 MiB", name] = tuple(copies)
         outputs = [kernels[kernel_name](q, pools[pages, name][0][0].transpose(0, 1),
                                         pools[pages, name][1][0].transpose(0, 1), tables[name], context_lens, DIM**-0.5)
                    for kernel_name, pages, name in runs]

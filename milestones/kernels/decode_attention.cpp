@@ -29,10 +29,9 @@
 #include <cmath>
 #include <vector>
 
-// --8<-- [start:kernel]
+// --8<-- [start:prefetch]
 constexpr int64_t PREFETCH_AHEAD = 32;  // positions: far enough to hide memory's latency (measured: kernels.md)
 
-// --8<-- [start:prefetch]
 // Ask for one cached row (dim values of T) to be brought nearer; it changes no number. A float32 row
 // (four lines at head size 64) is asked into L2 only (locality 2: prefetcht1 on x86), which measured a
 // fifth faster on scattered blocks than into L1; a bfloat16 row (two lines) into L1, where L2 measured
@@ -45,6 +44,7 @@ static inline void prefetch_row(const T* row, int64_t dim) {
 }
 // --8<-- [end:prefetch]
 
+// --8<-- [start:kernel]
 // q: [n, heads, dim]; k, v: [num_blocks, kv_heads, block_size, dim] (any strides, dim contiguous);
 // block_tables: [n, max_blocks] (int64); context_lens: [n] (int64). Returns [n, heads, dim].
 // T is float or c10::BFloat16: what is stored; every sum is in float.

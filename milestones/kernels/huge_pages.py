@@ -10,7 +10,7 @@ honour only such requests). This module copies the packed weights of every layer
 into one block of memory that asked for them, in the order a step reads them: the
 same numbers, read faster. Measured on the benchmarks page. The KV pool is allocated in
 such memory from the start (``zeros_in_huge_pages``): decode attention reads a block of
-one head's keys, a 4 KiB page of its own, wherever the block table says.
+one head's keys (4 KiB in float32 at SmolLM2's sizes) wherever the block table says.
 
 Off Linux the weights stay where they are. On Linux they are copied even where the
 request for huge pages is refused or cannot be met (THP turned off, no free 2 MiB
@@ -29,25 +29,31 @@ ALIGN = 64  # each weight starts on a cache line
 
 
 # --8<-- [start:arena]
-def huge_page_arena(num_bytes: int) -> tuple[torch.Tensor, bool]:
-    """A ``num_bytes`` uint8 tensor starting on a 2 MiB boundary, and whether Linux took the request for huge pages.
+def huge_page_mapping(num_bytes: int) -> tuple[mmap.mmap, int, bool]:
+    """A fresh mapping with ``num_bytes`` from a 2 MiB boundary on: the mapping, that boundary's offset in it, and
+    whether Linux took the request for huge pages.
 
     Linux only (``mmap.MADV_HUGEPAGE``). The memory is mapped afresh, private and anonymous
     (a shared mapping would be shared memory, which has its own huge-page setting), and the
     request made before it is first written, so that its pages are huge from the start;
     Linux may still give small ones where it has no free 2 MiB page (the numbers are the
-    same, only slower to read).
+    same, only slower to read). A tensor made from the mapping keeps it alive.
     """
     padded = -(-num_bytes // HUGE_PAGE) * HUGE_PAGE
-    mapping = mmap.mmap(-1, padded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # kept by the tensor
+    mapping = mmap.mmap(-1, padded + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE)
         advised = True
     except OSError:  # a kernel built without transparent huge pages
         advised = False
-    block = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -block.data_ptr() % HUGE_PAGE
-    return block[start:start + num_bytes], advised
+    address = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    return mapping, -address % HUGE_PAGE, advised
+
+
+def huge_page_arena(num_bytes: int) -> tuple[torch.Tensor, bool]:
+    """A ``num_bytes`` uint8 tensor starting on a 2 MiB boundary, and whether Linux took the request for huge pages."""
+    mapping, start, advised = huge_page_mapping(num_bytes)
+    return torch.frombuffer(mapping, dtype=torch.uint8, offset=start, count=num_bytes), advised
 # --8<-- [end:arena]
 
 
@@ -76,9 +82,9 @@ def zeros_in_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
     A fresh anonymous mapping reads as zeros, and its pages are only taken when first written.
     """
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    numel = math.prod(shape)
+    if not hasattr(mmap, "MADV_HUGEPAGE") or numel == 0:
         return torch.zeros(shape, dtype=dtype)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    block, _ = huge_page_arena(max(num_bytes, 1))
-    return block[:num_bytes].view(dtype).view(shape)
+    mapping, start, _ = huge_page_mapping(numel * torch.empty((), dtype=dtype).element_size())
+    return torch.frombuffer(mapping, dtype=dtype, offset=start, count=numel).view(shape)
 # --8<-- [end:zeros]

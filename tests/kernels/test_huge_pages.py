@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from milestones import m2, m3
-from milestones.kernels import PanelLinear, kv_cache_zeros
-from milestones.kernels.huge_pages import HUGE_PAGE, move_to_huge_pages
+from milestones.kernels import PanelLinear, decode_attention, kv_cache_zeros
+from milestones.kernels.huge_pages import HUGE_PAGE, move_to_huge_pages, zeros_in_huge_pages
 from milestones.kernels.panel_linear import FusedMLP
 from tests.conftest import needs_compiler
 
@@ -73,25 +73,49 @@ def test_an_engine_reads_its_packed_weights_front_to_back(tiny_model_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kv_cache_is_zeros_in_huge_pages_unless_the_backend_is_torch(dtype):
-    """The same zeros whatever the backend; off "torch", on Linux, they start on a 2 MiB boundary of their own mapping
-    and take writes like any tensor."""
-    shape = (2, 3, 5, 16, 8)
-    for backend in ("auto", "cpp", "torch"):
-        cache = kv_cache_zeros(shape, dtype, torch.device("cpu"), backend)
-        assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
-        assert torch.equal(cache, torch.zeros(shape, dtype=dtype))
-        if LINUX and backend != "torch":
-            assert cache.data_ptr() % HUGE_PAGE == 0
-        cache[1, 2, 4] = 1.5
-        assert cache.sum().item() == 1.5 * 16 * 8
+def test_the_kv_cache_is_zeros_in_huge_pages_unless_the_backend_is_torch(dtype, monkeypatch):
+    """The same zeros whatever the backend, taking writes like any tensor; off "torch" they come from a mapping of
+    their own (on Linux starting on a 2 MiB boundary, and with no larger tensor behind them), with "torch" from
+    torch.zeros."""
+    asked = []
+    monkeypatch.setattr(decode_attention, "zeros_in_huge_pages",
+                        lambda shape, dtype: asked.append(shape) or zeros_in_huge_pages(shape, dtype))
+    cpu = torch.device("cpu")
+    for shape in ((2, 3, 5, 16, 8), (0, 3, 16, 8)):
+        for backend in ("auto", "cpp", "torch"):
+            asked.clear()
+            cache = kv_cache_zeros(shape, dtype, cpu, backend)
+            assert asked == ([] if backend == "torch" else [shape])
+            assert cache.shape == shape and cache.dtype == dtype and cache.is_contiguous()
+            assert torch.equal(cache, torch.zeros(shape, dtype=dtype))
+            if LINUX and backend != "torch" and cache.numel():
+                assert cache.data_ptr() % HUGE_PAGE == 0 and cache.untyped_storage().nbytes() == cache.nbytes
+                assert cache._base is None or cache._base.dtype == dtype  # no uint8 arena behind it
+            if cache.numel():
+                cache[1, 2, 4] = 1.5
+                assert cache.sum().item() == 1.5 * 16 * 8
 
 
-@pytest.mark.skipif(not LINUX, reason="huge pages are asked for on Linux only")
-def test_an_engine_keeps_its_kv_pool_in_huge_pages(tiny_model_path):
-    """m3's pool (every later milestone's runner allocates it the same way) starts on a 2 MiB boundary; with
-    attention_backend="torch" it is plain torch.zeros."""
-    runner = m3.LLM(model=str(tiny_model_path)).engine.runner
-    assert runner.k_cache.data_ptr() % HUGE_PAGE == 0 and runner.v_cache.data_ptr() % HUGE_PAGE == 0
-    reference = m3.LLM(model=str(tiny_model_path), attention_backend="torch").engine.runner
-    assert torch.equal(reference.k_cache, runner.k_cache)  # both all zeros before any request
+@pytest.mark.skipif(not transparent_huge_pages_on(), reason="Linux's transparent huge pages are off or absent here")
+def test_a_written_kv_cache_gets_huge_pages():
+    cache = zeros_in_huge_pages((3, HUGE_PAGE // 4), torch.float32)  # 6 MiB: at least two whole 2 MiB pages
+    cache.fill_(1.0)  # the pages are only taken when written
+    huge = anon_huge_bytes(cache.data_ptr())
+    if huge == 0:
+        pytest.skip("Linux took the request but had no free 2 MiB page to give (memory fragmented)")
+    assert huge >= HUGE_PAGE
+
+
+def test_an_engine_asks_for_its_kv_pool_in_huge_pages_unless_attention_is_torch(tiny_model_path, monkeypatch):
+    """m3's runner (every milestone's allocates its pool the same way) takes its keys and values from
+    zeros_in_huge_pages, and with attention_backend="torch" from torch.zeros."""
+    asked = []
+    monkeypatch.setattr(decode_attention, "zeros_in_huge_pages",
+                        lambda shape, dtype: asked.append(shape) or zeros_in_huge_pages(shape, dtype))
+    runner = m3.LLM(model=str(tiny_model_path), device="cpu", linear_backend="torch").engine.runner
+    assert asked == [tuple(runner.k_cache.shape)] * 2
+    if LINUX:
+        assert runner.k_cache.data_ptr() % HUGE_PAGE == 0 and runner.v_cache.data_ptr() % HUGE_PAGE == 0
+    asked.clear()
+    m3.LLM(model=str(tiny_model_path), device="cpu", linear_backend="torch", attention_backend="torch")
+    assert asked == []
