@@ -72,14 +72,20 @@ def test_an_engine_reads_its_packed_weights_front_to_back(tiny_model_path):
         assert pointers == sorted(pointers)
 
 
+@pytest.fixture
+def asked(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes kv_cache_zeros asks zeros_in_huge_pages for, which still makes them."""
+    shapes: list[tuple[int, ...]] = []
+    monkeypatch.setattr(decode_attention, "zeros_in_huge_pages",
+                        lambda shape, dtype: shapes.append(shape) or zeros_in_huge_pages(shape, dtype))
+    return shapes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kv_cache_is_zeros_in_huge_pages_unless_the_backend_is_torch(dtype, monkeypatch):
+def test_the_kv_cache_is_zeros_in_huge_pages_unless_the_backend_is_torch(dtype, asked):
     """The same zeros whatever the backend, taking writes like any tensor; off "torch" they come from a mapping of
     their own (on Linux starting on a 2 MiB boundary, and with no larger tensor behind them), with "torch" from
     torch.zeros."""
-    asked = []
-    monkeypatch.setattr(decode_attention, "zeros_in_huge_pages",
-                        lambda shape, dtype: asked.append(shape) or zeros_in_huge_pages(shape, dtype))
     cpu = torch.device("cpu")
     for shape in ((2, 3, 5, 16, 8), (0, 3, 16, 8)):
         for backend in ("auto", "cpp", "torch"):
@@ -106,12 +112,9 @@ def test_a_written_kv_cache_gets_huge_pages():
     assert huge >= HUGE_PAGE
 
 
-def test_an_engine_asks_for_its_kv_pool_in_huge_pages_unless_attention_is_torch(tiny_model_path, monkeypatch):
+def test_an_engine_asks_for_its_kv_pool_in_huge_pages_unless_attention_is_torch(tiny_model_path, asked):
     """m3's runner (every milestone's allocates its pool the same way) takes its keys and values from
     zeros_in_huge_pages, and with attention_backend="torch" from torch.zeros."""
-    asked = []
-    monkeypatch.setattr(decode_attention, "zeros_in_huge_pages",
-                        lambda shape, dtype: asked.append(shape) or zeros_in_huge_pages(shape, dtype))
     runner = m3.LLM(model=str(tiny_model_path), device="cpu", linear_backend="torch").engine.runner
     assert asked == [tuple(runner.k_cache.shape)] * 2
     if LINUX:
