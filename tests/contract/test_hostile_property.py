@@ -84,10 +84,11 @@ def small_llm(mod, tiny_model_path, lesson_options):
 
 
 def unfinished_request_ids(engine) -> list[str]:
-    """The ids of every waiting and running request (m1 runs one at a time, the others a list)."""
+    """Every request still in the engine: each request with n > 1 samples (aborting it aborts its samples, those held
+    back too), then each waiting and running sequence (m1 runs one at a time, the others a list)."""
     running = engine.scheduler.running
     running = running if isinstance(running, list) else [running] if running is not None else []
-    return [seq.request_id for seq in [*running, *engine.scheduler.waiting]]
+    return [*engine.parents.by_id, *(seq.request_id for seq in [*running, *engine.scheduler.waiting])]
 
 
 def refused_clearly(err: ValueError) -> bool:
@@ -263,13 +264,32 @@ class HostileCaller(RuleBasedStateMachine):
         self.engine.check_integrity()
 
 
-def test_random_hostile_callers_never_poison_the_engine(mod, small_llm, report):
+def hostile_caller_for(mod, small_llm) -> type[HostileCaller]:
+    """The state machine bound to this milestone's engine, with every good prompt's greedy tokens."""
     greedy = mod.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     references = {p: small_llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in GOOD_PROMPTS}
-    machine = type("HostileCaller", (HostileCaller,), {
+    return type("HostileCaller", (HostileCaller,), {
         "llm": small_llm, "mod": mod, "reference": references[REFERENCE_PROMPT], "references": references,
         "counts": {"cases": 0, "calls": 0, "refused": 0},
     })
+
+
+def test_a_request_with_several_samples_stays_live_through_a_generate_call(mod, small_llm):
+    """The case a random run once found: a request with n = 2 added, a generate call, then steps to its end."""
+    case = hostile_caller_for(mod, small_llm)()
+    case.start_clean()
+    case.add_request("Once upon a time", {"n": 2, "max_tokens": 8, "ignore_eos": True}, "mine")
+    case.generate(["The sea is"], {"temperature": 0, "max_tokens": 1})
+    # m1 runs one request at a time, so "mine" has finished before the generate call's prompt began; the others batch.
+    assert ("mine" in case.live) == case.engine.parents.uses("mine") == (mod.__name__ != "milestones.m1")
+    while case.engine.has_unfinished_requests():
+        case.step()
+    assert "mine" not in case.live
+    case.teardown()
+
+
+def test_random_hostile_callers_never_poison_the_engine(mod, small_llm, report):
+    machine = hostile_caller_for(mod, small_llm)
     # No example database: a stored case replays its draws, and how many it draws depends on the tokens the engine
     # made then; once a kernel changes the last bits, hypothesis calls the replay inconsistent (FlakyStrategy...).
     run_settings = settings(max_examples=NUM_EXAMPLES, stateful_step_count=12, deadline=None, database=None,
