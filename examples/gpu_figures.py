@@ -2,9 +2,9 @@
 
     python examples/gpu_figures.py RUN_DIR [RUN_DIR ...]       # the folders each runbook step wrote
 
-It copies each step's benchmark JSON and the preflight's machine report into docs/assets/benchmarks/gpu/,
-redraws each JSON's plot, and writes summary.md there: the machine, the CUDA tests' counts by group,
-the issue's targets (met or not, from rows measured in one process run) and every row. The
+It copies each step's benchmark JSON, the CUDA tests' logs and the preflight's machine report into
+docs/assets/benchmarks/gpu/, redraws each JSON's plot, and writes summary.md there: the machine, the CUDA
+tests' counts by group, the issue's targets (met or not, from rows measured in one process run) and every row. The
 benchmarks page and the m5 and m6 pages include that file's sections, so committing the folder
 updates the site. ``--docs-dir`` writes elsewhere (the rehearsal's test does).
 """
@@ -133,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if (folder / "preflight.json").is_file():
             machine = json.loads((folder / "preflight.json").read_text())["facts"]
             shutil.copy(folder / "preflight.json", args.docs_dir / "preflight.json")
+        for path in sorted(folder.glob("tests-*.log")):  # the CUDA tests' whole output, for the record
+            shutil.copy(path, args.docs_dir / path.name)
         for path in sorted(folder.glob("bench-*.json")):
             runs[path.name] = json.loads(path.read_text())
             shutil.copy(path, args.docs_dir / path.name)

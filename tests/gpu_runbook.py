@@ -6,6 +6,9 @@ finishes in a few minutes, writes its files as it goes, and fails on its own wit
 others' results. Run from the repository root with the machine's own python3; nothing is installed
 (the repository root is on the path, as ``python3 -m`` puts it there):
 
+# --8<-- [start:all]
+python3 -m tests.gpu_runbook all OUT --budget 560 --pack PACKED.tar.gz  # every step below, in one command
+# --8<-- [end:all]
 # --8<-- [start:steps]
 python3 -m tests.gpu_runbook preflight OUT             # GPU, versions, the model: refuses early, says why
 python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transformers, defaults
@@ -13,14 +16,16 @@ python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the miles
 python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
 python3 -m tests.gpu_runbook bench OUT --group graphs  # m5, m6 against their switches turned off
-python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
 python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers, in one run
 python3 -m tests.gpu_runbook bench OUT --group speculative  # m7's guesses (ngram, a draft) against m6, batch 1
+python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
 # --8<-- [end:steps]
 
-Then ``python examples/gpu_figures.py DIR...`` (here, on the returned folders) puts the figures in the
-docs. ``--device cpu`` rehearses every step on a tiny model and tiny workloads (CI runs it:
-tests/test_gpu_runbook.py), which checks the plumbing, not the speed. Every step sets
+``all`` is the form for a loan of minutes: the test groups run side by side, then the bench groups one at a
+time, each stopped at its share of ``--budget`` seconds, and ``--pack`` writes one archive of OUT at the end (a
+loan may hand back only a few files). Then ``python examples/gpu_figures.py DIR...`` (here, on the returned
+folders) puts the figures in the docs. ``--device cpu`` rehearses every step on a tiny model and tiny workloads
+(CI runs it: tests/test_gpu_runbook.py), which checks the plumbing, not the speed. Every step sets
 HF_HUB_OFFLINE=1: the model is a seeded random checkpoint of SmolLM2-135M's exact shape, made on
 the machine by tests/checkpoints.py (the bundled model's package is not there), which runs at the
 same speed as the real weights.
@@ -33,8 +38,12 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import tarfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +56,8 @@ MIN_VERSIONS = {  # what the code and the tests need, and why
     "pytest": ("7.0", "the CUDA tests"),
     "safetensors": ("0.4", "loading checkpoints"),
 }
+# Used where present: without it the CUDA tests run the workload's structured-output requests as plain ones.
+OPTIONAL = {"llguidance": "structured output (milestones/*/structured_output.py)"}
 
 # The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda/test_cuda.py).
 TEST_GROUPS = {
@@ -61,19 +72,24 @@ TEST_GROUPS = {
 class BenchGroup:
     engines: str
     workloads: str
-    flags: tuple[str, ...]  # on the GPU: sized to finish in a few minutes on an H100
+    flags: tuple[str, ...]  # on the GPU: sized to finish in a minute or two on an H100
+    seconds: int  # its share of ``all``'s budget: about what it took on an H100, with room
 
 
-BENCH_GROUPS = {
-    # The graphs and overlap lessons, each against its own switch turned off.
+# Sized from the first H100 run (2026-11-27): decode rows take about 5 ms a token there, an eager step several times
+# that, so 64 forced tokens, two timed runs and 32 requests of at most 128 tokens keep every group near a minute.
+SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--output-len-range", "32,128")
+BENCH_GROUPS = {  # in ``all``'s order: the groups with the issue's targets first
+    # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1).
     "graphs": BenchGroup("m5,m5@eager,m6,m6@sync", "decode,batch,small",
-                         ("--batch-sizes", "1,4,8", "--max-num-seqs", "64", "--runs", "3")),
-    "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed", ("--batch-sizes", "8,64", "--max-num-seqs", "64")),
+                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", *SHORTER), 150),
     # m6 and transformers in one run: the ratio is taken inside it.
-    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1")),
+    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1", *SHORTER), 110),
     # m7 against m6 at batch 1 (a random model copies nothing: what guessing costs where it finds little).
     "speculative": BenchGroup("m6,m7@ngram,m7@draft", "grounded,open",
-                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8")),
+                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8"), 80),
+    "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed",
+                        ("--batch-sizes", "8,64", "--max-num-seqs", "64", "--m1-requests", "8", *SHORTER), 120),
 }
 CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
                        "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
@@ -97,6 +113,11 @@ def preflight(out: Path, device: str, model: Path) -> int:
         facts[package] = found
         if version_tuple(found) < version_tuple(least):
             problems.append(f"{package} {found} is older than {least} (needed for {why})")
+    for package, why in OPTIONAL.items():
+        try:
+            facts[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            facts[package] = f"missing: {why} left out of the CUDA tests' workloads"
     if not problems:
         import torch
 
@@ -126,44 +147,106 @@ def ensure_model(model: Path, device: str) -> Path:
     return model
 
 
-def run_tests(out: Path, group: str) -> int:
+def tests_command(out: Path, group: str) -> list[str]:
     """One group of the CUDA tests, with a JUnit XML and the whole log under OUT (on a CPU they skip)."""
-    command = [sys.executable, "-m", "pytest", "tests/cuda", "-m", "cuda", "-k", TEST_GROUPS[group], "-v", "-rA",
-               "-s", "-p", "no:cacheprovider", f"--junitxml={out / f'tests-{group}.xml'}"]
-    return logged(command, out / f"tests-{group}.log")
+    return [sys.executable, "-m", "pytest", "tests/cuda", "-m", "cuda", "-k", TEST_GROUPS[group], "-v", "-rA",
+            "-s", "-p", "no:cacheprovider", f"--junitxml={out / f'tests-{group}.xml'}"]
 
 
-def run_bench(out: Path, group: str, device: str, model: Path, engines: str | None) -> int:
+def bench_command(out: Path, group: str, device: str, model: Path, engines: str | None = None) -> list[str]:
     """One group of benchmark rows; the JSON is rewritten after every row, and a failed row fails the step."""
     spec = BENCH_GROUPS[group]
-    command = [sys.executable, "examples/benchmark.py", "--model", str(ensure_model(model, device)),
-               "--device", device, "--engines", engines or spec.engines, "--workloads", spec.workloads,
-               *(spec.flags if device == "cuda" else CPU_REHEARSAL_FLAGS), "--out", str(out / f"bench-{group}.json")]
-    return logged(command, out / f"bench-{group}.log")
+    return [sys.executable, "examples/benchmark.py", "--model", str(ensure_model(model, device)),
+            "--device", device, "--engines", engines or spec.engines, "--workloads", spec.workloads,
+            *(spec.flags if device == "cuda" else CPU_REHEARSAL_FLAGS), "--out", str(out / f"bench-{group}.json")]
 
 
-def logged(command: list[str], log: Path) -> int:
-    """Run ``command`` from the repository root, its output shown and kept in ``log``; its exit status."""
-    print("$", " ".join(command), flush=True)
-    with log.open("w") as sink:
+@dataclass(slots=True)
+class Step:
+    """A command running from the repository root, its output copied into its log as it comes (a step stopped at
+    its time limit keeps what it printed), and to the terminal if ``echo``."""
+
+    process: subprocess.Popen
+    copier: threading.Thread
+    log: Path
+
+    @classmethod
+    def start(cls, command: list[str], log: Path, echo: bool = True) -> Step:
+        print("$", " ".join(command), flush=True)
+        sink = log.open("w")
         sink.write("$ " + " ".join(command) + "\n")
         sink.flush()
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in process.stdout:
-            sys.stdout.write(line)
-            sink.write(line)
-            sink.flush()  # a step killed at its time limit keeps what it printed
-    return process.wait()
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)  # its own group: stopped with its children
+
+        def copy() -> None:
+            with sink:
+                for line in process.stdout:
+                    if echo:
+                        sys.stdout.write(line)
+                    sink.write(line)
+                    sink.flush()
+
+        copier = threading.Thread(target=copy, daemon=True)
+        copier.start()
+        return cls(process, copier, log)
+
+    def finish(self, deadline: float | None = None) -> int:
+        """Its exit status; at ``deadline`` (time.monotonic()) it is stopped, says so in its log, and gives 124."""
+        try:
+            status = self.process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            status = 124
+        self.copier.join()
+        if status == 124:
+            with self.log.open("a") as sink:
+                sink.write("runbook: stopped at its time limit (what it wrote so far is kept)\n")
+        return status
+
+
+def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Path | None) -> int:
+    """Every step in one command, for a loan of minutes: the preflight; the test groups side by side (they check
+    correctness, and one GPU has room for four small processes); the bench groups one at a time (timings want the
+    GPU alone), each stopped at its share of what is left of ``budget``. With ``pack``, one archive of OUT at the
+    end, whatever happened. Exits non-zero if any step failed or was stopped; ``summary.txt`` says which."""
+    end = None if budget is None else time.monotonic() + budget
+    results: dict[str, int] = {}
+    try:
+        results["preflight"] = preflight(out, device, model)
+        if results["preflight"] == 0:
+            running = {group: Step.start(tests_command(out, group), out / f"tests-{group}.log", echo=False)
+                       for group in TEST_GROUPS}
+            for group, step in running.items():
+                results[f"tests {group}"] = step.finish(end)
+            for group, spec in BENCH_GROUPS.items():
+                share = None if end is None else min(time.monotonic() + spec.seconds, end)
+                results[f"bench {group}"] = Step.start(bench_command(out, group, device, model),
+                                                       out / f"bench-{group}.log").finish(share)
+    finally:
+        lines = [f"{name}: {'ok' if status == 0 else 'stopped at its time limit' if status == 124 else status}"
+                 for name, status in results.items()]
+        (out / "summary.txt").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        if pack is not None:
+            pack.parent.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(pack, "w:gz") as archive:
+                archive.add(out, arcname=out.name)
+            print(f"packed {out} into {pack}")
+    return int(any(results.values()))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=["preflight", "tests", "bench"])
+    parser.add_argument("step", choices=["preflight", "tests", "bench", "all"])
     parser.add_argument("out", type=Path, help="the folder to write into (the one that comes back)")
     parser.add_argument("--group", help=f"tests: {', '.join(TEST_GROUPS)}; bench: {', '.join(BENCH_GROUPS)}")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: rehearse on a tiny model")
     parser.add_argument("--model", type=Path, default=None, help="the checkpoint (made if missing)")
     parser.add_argument("--engines", default=None, help="bench: these rows instead of the group's (re-running one)")
+    parser.add_argument("--budget", type=float, default=None, help="all: stop every step by this many seconds")
+    parser.add_argument("--pack", type=Path, default=None, help="all: then write OUT into this .tar.gz")
     args = parser.parse_args(argv)
     groups = {"tests": TEST_GROUPS, "bench": BENCH_GROUPS}.get(args.step, {})
     if groups and args.group not in groups:
@@ -173,9 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or (GPU_MODEL if args.device == "cuda" else CPU_MODEL)
     if args.step == "preflight":
         return preflight(args.out, args.device, model)
+    if args.step == "all":
+        return run_all(args.out, args.device, model, args.budget, args.pack)
     if args.step == "tests":
-        return run_tests(args.out, args.group)
-    return run_bench(args.out, args.group, args.device, model, args.engines)
+        return Step.start(tests_command(args.out, args.group), args.out / f"tests-{args.group}.log").finish()
+    return Step.start(bench_command(args.out, args.group, args.device, model, args.engines),
+                      args.out / f"bench-{args.group}.log").finish()
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Each step runs as the runbook's user runs it, a separate command, on a tiny model: it must write its
 files under the folder it is given and nowhere in the repository, exit 0 when all is well, and exit
-non-zero when a benchmark row raised (its JSON still written, with the error).
+non-zero when a benchmark row raised (its JSON still written, with the error). ``all`` runs every
+step in one command, as a loan of minutes does, and packs the folder into one archive.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import json
 import re
 import subprocess
 import sys
+import tarfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import needs_compiler
-from tests.gpu_runbook import BENCH_GROUPS, TEST_GROUPS
+from tests.gpu_runbook import BENCH_GROUPS, TEST_GROUPS, Step
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +55,7 @@ def test_preflight_reports_the_machine_and_makes_the_model(rehearsal):
     out, model = rehearsal
     report = json.loads((out / "preflight.json").read_text())
     assert report["ok"] and not report["problems"]
-    assert {"python", "torch", "transformers", "pytest", "model"} <= set(report["facts"])
+    assert {"python", "torch", "transformers", "pytest", "model", "llguidance"} <= set(report["facts"])
     assert (model / "model.safetensors").is_file()
 
 
@@ -74,39 +78,64 @@ def test_each_test_group_writes_its_report_under_the_folder(group, tmp_path):
     assert repository_changes() == before
 
 
+@dataclass(frozen=True, slots=True)
+class AllRun:
+    proc: subprocess.CompletedProcess
+    folder: Path
+    archive: Path
+    changed: set[str]  # what the run changed in the repository
+
+
 @pytest.fixture(scope="module")
-def bench_runs(rehearsal, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path, set[str]]]:
-    """Every bench group run once, each into a folder of its own: (the step, its folder, the repository changed)."""
+def all_run(rehearsal, tmp_path_factory) -> AllRun:
+    """Every step in one command, as a loan of minutes runs them, packed into one archive."""
     _, model = rehearsal
-    runs = {}
-    for group in BENCH_GROUPS:
-        folder, before = tmp_path_factory.mktemp(f"bench-{group}"), repository_changes()
-        proc = runbook("bench", str(folder), "--group", group, "--device", "cpu", "--model", str(model))
-        runs[group] = proc, folder, repository_changes() ^ before
-    return runs
+    where, before = tmp_path_factory.mktemp("all"), repository_changes()
+    proc = runbook("all", str(where / "out"), "--device", "cpu", "--model", str(model), "--budget", "550",
+                   "--pack", str(where / "packed" / "gpu.tar.gz"))
+    return AllRun(proc, where / "out", where / "packed" / "gpu.tar.gz", repository_changes() ^ before)
 
 
 @needs_compiler  # the graphs group runs m5 and m6, which capture with torch.compile on a CPU
-@pytest.mark.parametrize("group", BENCH_GROUPS)
-def test_each_bench_group_writes_its_rows_under_the_folder(group, bench_runs):
-    proc, folder, changed = bench_runs[group]
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in folder.iterdir()) == [f"bench-{group}.json", f"bench-{group}.log"]
-    rows = json.loads((folder / f"bench-{group}.json").read_text())["results"]
-    engines = BENCH_GROUPS[group].engines.split(",")  # hf-static's rows carry their batch size: hf-static-2
-    assert all(any(r["engine"] == e or r["engine"].startswith(e + "-") for r in rows) for e in engines), rows
-    assert all(r["status"] == "ok" for r in rows)
-    assert not changed, f"the step wrote into the repository: {changed}"
+def test_all_runs_every_step_into_the_folder_and_packs_it(all_run):
+    assert all_run.proc.returncode == 0, all_run.proc.stdout[-3000:] + all_run.proc.stderr[-3000:]
+    assert not all_run.changed, f"the run wrote into the repository: {all_run.changed}"
+    expected = {"preflight.json", "summary.txt", *(f"tests-{g}.{e}" for g in TEST_GROUPS for e in ("log", "xml")),
+                *(f"bench-{g}.{e}" for g in BENCH_GROUPS for e in ("json", "log"))}
+    assert {p.name for p in all_run.folder.iterdir()} == expected
+    assert (all_run.folder / "summary.txt").read_text().splitlines() == [
+        "preflight: ok", *(f"tests {g}: ok" for g in TEST_GROUPS), *(f"bench {g}: ok" for g in BENCH_GROUPS)]
+    with tarfile.open(all_run.archive) as archive:
+        assert {Path(name).name for name in archive.getnames() if "/" in name} == expected
 
 
 @needs_compiler
-def test_the_figures_script_turns_the_returned_folders_into_the_docs_summary(rehearsal, bench_runs, tmp_path):
-    folders = [str(rehearsal[0]), *(str(folder) for _, folder, _ in bench_runs.values())]
+@pytest.mark.parametrize("group", BENCH_GROUPS)
+def test_each_bench_group_writes_its_rows(group, all_run):
+    rows = json.loads((all_run.folder / f"bench-{group}.json").read_text())["results"]
+    engines = BENCH_GROUPS[group].engines.split(",")  # hf-static's rows carry their batch size: hf-static-2
+    assert all(any(r["engine"] == e or r["engine"].startswith(e + "-") for r in rows) for e in engines), rows
+    assert all(r["status"] == "ok" for r in rows)
+
+
+def test_a_step_past_its_time_is_stopped_and_keeps_what_it_printed(tmp_path):
+    command = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
+    step, began = Step.start(command, tmp_path / "slow.log", echo=False), time.monotonic()
+    assert step.finish(deadline=time.monotonic() + 3) == 124
+    assert time.monotonic() - began < 30
+    log = (tmp_path / "slow.log").read_text()
+    assert "started" in log and "stopped at its time limit" in log
+    assert Step.start([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "fails.log", echo=False).finish() == 3
+
+
+@needs_compiler
+def test_the_figures_script_turns_the_returned_folders_into_the_docs_summary(all_run, tmp_path):
+    folders = [str(all_run.folder)]
     proc = subprocess.run([sys.executable, "examples/gpu_figures.py", *folders, "--docs-dir", str(tmp_path)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {f"bench-{g}.{ext}" for g in BENCH_GROUPS for ext in ("json", "png")} | {"preflight.json", "summary.md"} \
-        == {p.name for p in tmp_path.iterdir()}
+        | {f"tests-{g}.log" for g in TEST_GROUPS} == {p.name for p in tmp_path.iterdir()}
     summary = (tmp_path / "summary.md").read_text()
     for section in ("machine", "tests", "m5", "m6", "rows"):  # the sections the pages include
         assert f"--8<-- [start:{section}]" in summary and f"--8<-- [end:{section}]" in summary
@@ -134,7 +163,7 @@ def test_a_row_that_raises_fails_the_step_and_is_kept_in_the_json(rehearsal, tmp
 
 def test_groups_need_a_known_name(tmp_path):
     proc = runbook("bench", str(tmp_path), "--group", "everything")
-    assert proc.returncode == 2 and "bench needs --group, one of: graphs, eager, hf, speculative" in proc.stderr
+    assert proc.returncode == 2 and "bench needs --group, one of: graphs, hf, speculative, eager" in proc.stderr
 
 
 def collected(*args: str) -> set[str]:
