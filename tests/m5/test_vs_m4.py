@@ -6,6 +6,9 @@ these tests capture few sizes, chosen so that batches both fit a bucket exactly 
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -106,6 +109,28 @@ def test_replaying_never_recompiles(captured):
     captured.generate("Just one", params, use_tqdm=False)
     assert captured.engine.graph_stats()["replays"] > replays_before
     assert counters["stats"]["unique_graphs"] == graphs_before, "a replay compiled a new graph"
+
+
+def test_each_engine_replays_its_own_capture(tiny_model_path, captured, tmp_path):
+    """Two engines in one process, on two models alike in every shape and weight but one constant (RMSNorm's
+    epsilon, which the compiled step holds as a number): each replays what it captured. A runner keeps no guards
+    on its model, so if the two shared compiled entries, the second would replay the first's step."""
+    other = tmp_path / "other-eps"
+    shutil.copytree(tiny_model_path, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (other / "config.json").write_text(json.dumps(config))
+
+    def tokens(mod, llm) -> list[int]:
+        params = mod.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        return llm.generate([[5, 17, 29, 3, 11]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert captured.engine.graph_stats()["captured_sizes"] == SIZES  # the first engine's entries exist
+    want = tokens(m4, m4.LLM(other, **LIMITS))
+    assert want != tokens(m4, m4.LLM(tiny_model_path, **LIMITS)), "epsilon must change the tokens, or this is no test"
+    second = m5.LLM(other, cudagraph_capture_sizes=[1], **LIMITS)
+    assert tokens(m5, second) == want
+    assert second.engine.graph_stats()["replays"] > 0
 
 
 @pytest.mark.parametrize("sizes", [[0], [6], [], "4", [True]])
