@@ -2,7 +2,7 @@
 
     python examples/gpu_figures.py RUN_DIR [RUN_DIR ...]       # the folders each runbook step wrote
 
-It copies each step's benchmark JSON, the CUDA tests' logs and the preflight's machine report into
+It copies each step's benchmark JSON, the CUDA tests' logs, ``all``'s summary and the preflight's report into
 docs/assets/benchmarks/gpu/, redraws each JSON's plot, and writes summary.md there: the machine, the CUDA
 tests' counts by group, the issue's targets (met or not, from rows measured in one process run) and every row. The
 benchmarks page and the m5 and m6 pages include that file's sections, so committing the folder
@@ -69,7 +69,16 @@ def target_lines(section: str, runs: dict[str, dict]) -> list[str]:
 
 
 def test_counts(folders: list[Path]) -> list[str]:
+    """A row per test group's JUnit XML, and one for each group that ``all``'s summary.txt names but that left no
+    report (stopped at its time limit, or not run)."""
     lines = ["| group | passed | failed | errors | skipped |", "|---|---|---|---|---|"]
+    reported = {p.stem.removeprefix("tests-") for folder in folders for p in folder.glob("tests-*.xml")}
+    for folder in folders:
+        summary = folder / "summary.txt"
+        for line in summary.read_text().splitlines() if summary.is_file() else []:
+            name, _, status = line.partition(": ")
+            if name.startswith("tests ") and name.removeprefix("tests ") not in reported:
+                lines.append(f"| {name.removeprefix('tests ')} | no report: {status} | - | - | - |")
     for xml in sorted(p for folder in folders for p in folder.glob("tests-*.xml")):
         suite = ET.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -135,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(folder / "preflight.json", args.docs_dir / "preflight.json")
         for path in sorted(folder.glob("tests-*.log")):  # the CUDA tests' whole output, for the record
             shutil.copy(path, args.docs_dir / path.name)
+        if (folder / "summary.txt").is_file():  # what ``all`` says of each step: ok, failed, stopped, not run
+            shutil.copy(folder / "summary.txt", args.docs_dir / "runbook-summary.txt")
         for path in sorted(folder.glob("bench-*.json")):
             runs[path.name] = json.loads(path.read_text())
             shutil.copy(path, args.docs_dir / path.name)

@@ -22,13 +22,13 @@ python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
 # --8<-- [end:steps]
 
 ``all`` is the form for a loan of minutes: the test groups run side by side, then the bench groups one at a
-time, each stopped at its share of ``--budget`` seconds, and ``--pack`` writes one archive of OUT at the end (a
-loan may hand back only a few files). Then ``python examples/gpu_figures.py DIR...`` (here, on the returned
-folders) puts the figures in the docs. ``--device cpu`` rehearses every step on a tiny model and tiny workloads
-(CI runs it: tests/test_gpu_runbook.py), which checks the plumbing, not the speed. Every step sets
-HF_HUB_OFFLINE=1: the model is a seeded random checkpoint of SmolLM2-135M's exact shape, made on
-the machine by tests/checkpoints.py (the bundled model's package is not there), which runs at the
-same speed as the real weights.
+time, each phase stopped at its share of what is left of ``--budget`` seconds, and ``--pack`` writes one archive
+of OUT at the end (a loan may hand back only a few files). Then ``python examples/gpu_figures.py DIR...``
+(here, on the returned folders) puts the figures in the docs. ``--device cpu`` rehearses every step on a tiny
+model and tiny workloads (CI runs it: tests/test_gpu_runbook.py), which checks the plumbing, not the speed.
+Every step sets HF_HUB_OFFLINE=1: the model is a seeded random checkpoint of SmolLM2-135M's exact shape, made
+on the machine by tests/checkpoints.py (the bundled model's package is not there), which runs at the same speed
+as the real weights.
 """
 
 from __future__ import annotations
@@ -73,12 +73,15 @@ class BenchGroup:
     engines: str
     workloads: str
     flags: tuple[str, ...]  # on the GPU: sized to finish in a minute or two on an H100
-    seconds: int  # its share of ``all``'s budget: about what it took on an H100, with room
+    seconds: int  # its weight in ``all``'s budget: about what it should take on an H100, with room
 
 
-# Sized from the first H100 run (2026-11-27): decode rows take about 5 ms a token there, an eager step several times
-# that, so 64 forced tokens, two timed runs and 32 requests of at most 128 tokens keep every group near a minute.
+# Sized from the first H100 run (2026-11-27), whose graphs, hf and eager groups were stopped unfinished: a captured
+# decode step took about 5 ms there (an eager one was not measured: several times that is a guess), so 64 forced
+# tokens, two timed runs and 32 requests of at most 128 tokens should keep every group near a minute.
 SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--output-len-range", "32,128")
+TESTS_SECONDS = 150  # the four test groups side by side took 95 s on the H100: their share of ``all``'s budget
+MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 BENCH_GROUPS = {  # in ``all``'s order: the groups with the issue's targets first
     # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1).
     "graphs": BenchGroup("m5,m5@eager,m6,m6@sync", "decode,batch,small",
@@ -191,6 +194,12 @@ class Step:
         copier.start()
         return cls(process, copier, log)
 
+    def stop(self) -> None:
+        """Kill it and its children if it is still running."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
     def finish(self, deadline: float | None = None) -> int:
         """Its exit status; at ``deadline`` (time.monotonic()) it is stopped, says so in its log, and gives 124."""
         try:
@@ -209,24 +218,46 @@ class Step:
 def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Path | None) -> int:
     """Every step in one command, for a loan of minutes: the preflight; the test groups side by side (they check
     correctness, and one GPU has room for four small processes); the bench groups one at a time (timings want the
-    GPU alone), each stopped at its share of what is left of ``budget``. With ``pack``, one archive of OUT at the
-    end, whatever happened. Exits non-zero if any step failed or was stopped; ``summary.txt`` says which."""
+    GPU alone). With ``budget``, each phase gets a share of the seconds left, in proportion to what it took on an
+    H100 (TESTS_SECONDS, BenchGroup.seconds), so time a phase leaves goes to the next; a phase with nothing left is
+    not started. With ``pack``, one archive of OUT at the end, whatever happened (SIGTERM included). Exits non-zero
+    if any step failed, was stopped or did not run; ``summary.txt`` says which."""
     end = None if budget is None else time.monotonic() + budget
-    results: dict[str, int] = {}
+    phases = {"tests": TESTS_SECONDS, **{group: spec.seconds for group, spec in BENCH_GROUPS.items()}}
+
+    def deadline(phase: str) -> float | None:
+        """Now plus this phase's share of the time left (None: no budget)."""
+        if end is None:
+            return None
+        later = list(phases)[list(phases).index(phase):]
+        return time.monotonic() + (end - time.monotonic()) * phases[phase] / sum(phases[p] for p in later)
+
+    results: dict[str, int | str] = {}
+    live: list[Step] = []
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         results["preflight"] = preflight(out, device, model)
         if results["preflight"] == 0:
-            running = {group: Step.start(tests_command(out, group), out / f"tests-{group}.log", echo=False)
-                       for group in TEST_GROUPS}
-            for group, step in running.items():
-                results[f"tests {group}"] = step.finish(end)
-            for group, spec in BENCH_GROUPS.items():
-                share = None if end is None else min(time.monotonic() + spec.seconds, end)
-                results[f"bench {group}"] = Step.start(bench_command(out, group, device, model),
-                                                       out / f"bench-{group}.log").finish(share)
+            until = deadline("tests")
+            if until is not None and until - time.monotonic() < MIN_STEP_SECONDS:
+                results.update({f"tests {group}": "not run (no time left)" for group in TEST_GROUPS})
+            else:
+                live += [Step.start(tests_command(out, group), out / f"tests-{group}.log", echo=False)
+                         for group in TEST_GROUPS]
+                for group, step in zip(TEST_GROUPS, live):
+                    results[f"tests {group}"] = step.finish(until)
+            for group in BENCH_GROUPS:
+                until = deadline(group)
+                if until is not None and until - time.monotonic() < MIN_STEP_SECONDS:
+                    results[f"bench {group}"] = "not run (no time left)"
+                    continue
+                live.append(Step.start(bench_command(out, group, device, model), out / f"bench-{group}.log"))
+                results[f"bench {group}"] = live[-1].finish(until)
     finally:
-        lines = [f"{name}: {'ok' if status == 0 else 'stopped at its time limit' if status == 124 else status}"
-                 for name, status in results.items()]
+        signal.signal(signal.SIGTERM, previous)
+        for step in live:
+            step.stop()  # a step still running when something broke: no orphan holds the GPU
+        lines = [f"{name}: {describe(status)}" for name, status in results.items()]
         (out / "summary.txt").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         if pack is not None:
@@ -234,7 +265,21 @@ def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Pat
             with tarfile.open(pack, "w:gz") as archive:
                 archive.add(out, arcname=out.name)
             print(f"packed {out} into {pack}")
-    return int(any(results.values()))
+    return int(any(status != 0 for status in results.values()))
+
+
+def describe(status: int | str) -> str:
+    if isinstance(status, str):
+        return status
+    if status == 0:
+        return "ok"
+    if status == 124:
+        return "stopped at its time limit"
+    return f"killed by signal {-status}" if status < 0 else f"failed (exit status {status})"
+
+
+def _exit_on_sigterm(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)  # so that ``run_all``'s cleanup, summary and archive still happen
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,7 +91,7 @@ def all_run(rehearsal, tmp_path_factory) -> AllRun:
     """Every step in one command, as a loan of minutes runs them, packed into one archive."""
     _, model = rehearsal
     where, before = tmp_path_factory.mktemp("all"), repository_changes()
-    proc = runbook("all", str(where / "out"), "--device", "cpu", "--model", str(model), "--budget", "550",
+    proc = runbook("all", str(where / "out"), "--device", "cpu", "--model", str(model),
                    "--pack", str(where / "packed" / "gpu.tar.gz"))
     return AllRun(proc, where / "out", where / "packed" / "gpu.tar.gz", repository_changes() ^ before)
 
@@ -118,6 +118,26 @@ def test_each_bench_group_writes_its_rows(group, all_run):
     assert all(r["status"] == "ok" for r in rows)
 
 
+def test_all_with_no_time_left_starts_nothing_and_still_packs(rehearsal, tmp_path):
+    _, model = rehearsal
+    proc = runbook("all", str(tmp_path / "out"), "--device", "cpu", "--model", str(model), "--budget", "0",
+                   "--pack", str(tmp_path / "gpu.tar.gz"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "out" / "summary.txt").read_text().splitlines() == [
+        "preflight: ok", *(f"{kind} {g}: not run (no time left)" for kind, groups in (("tests", TEST_GROUPS),
+                                                                                       ("bench", BENCH_GROUPS))
+                           for g in groups)]
+    assert not list((tmp_path / "out").glob("bench-*")) and (tmp_path / "gpu.tar.gz").is_file()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_all_stops_after_a_failed_preflight(tmp_path):
+    proc = runbook("all", str(tmp_path / "out"), "--model", str(tmp_path / "never-made"))
+    assert proc.returncode == 1
+    assert (tmp_path / "out" / "summary.txt").read_text() == "preflight: failed (exit status 1)\n"
+    assert not (tmp_path / "never-made").exists()
+
+
 def test_a_step_past_its_time_is_stopped_and_keeps_what_it_printed(tmp_path):
     command = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]
     step, began = Step.start(command, tmp_path / "slow.log", echo=False), time.monotonic()
@@ -135,7 +155,7 @@ def test_the_figures_script_turns_the_returned_folders_into_the_docs_summary(all
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {f"bench-{g}.{ext}" for g in BENCH_GROUPS for ext in ("json", "png")} | {"preflight.json", "summary.md"} \
-        | {f"tests-{g}.log" for g in TEST_GROUPS} == {p.name for p in tmp_path.iterdir()}
+        | {f"tests-{g}.log" for g in TEST_GROUPS} | {"runbook-summary.txt"} == {p.name for p in tmp_path.iterdir()}
     summary = (tmp_path / "summary.md").read_text()
     for section in ("machine", "tests", "m5", "m6", "rows"):  # the sections the pages include
         assert f"--8<-- [start:{section}]" in summary and f"--8<-- [end:{section}]" in summary

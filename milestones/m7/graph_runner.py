@@ -73,7 +73,8 @@ class GraphRunner:
     # --8<-- [start:capture]
     def capture(self) -> None:
         """Capture every bucket, the largest first (on CUDA all share one memory pool, sized by the first)."""
-        start, pool, forward = time.perf_counter(), None, _own_method(self.forward)
+        start, pool = time.perf_counter(), None
+        forward = _own_method(self.forward) if self.k_cache.device.type == "cpu" else None  # what torch.compile takes
         for size in tqdm(self.sizes[::-1], desc="Capturing the decode step", unit="batch size"):
             buffers = self.buffers(size)
             if self.k_cache.device.type == "cuda":
@@ -144,8 +145,9 @@ def _own_method(method: Callable) -> Callable:
 
 
 def _guards_on_arguments(guards: list) -> list[bool]:
-    """Keep the guards on the step's arguments (the buffers' shapes, one entry per bucket) and global state; drop the
-    ~5,000 on the runner and its model (each module's hooks, attributes, types), which nothing changes after capture.
-    A replay checks what is kept: with all of them, a millisecond of a 13 ms step on two cores."""
+    """Keep the guards on the step's arguments (the buffers' shapes, one entry per bucket) and global state; drop
+    those named from the runner, most of the ~5,000 on it and its model (each module's hooks, attributes, types).
+    A replay checks what is kept: with all of them, a millisecond of a 13 ms step on two cores. So after capture
+    nothing may swap a module or change a number the step reads (weights changed in place are still read)."""
     return [not guard.name.startswith("self") for guard in guards]
 # --8<-- [end:own_entries]

@@ -153,7 +153,7 @@ def test_m7_with_the_model_as_its_own_draft_gives_m6s_tokens_on_cuda(tiny_model_
     90% kept, and the rate printed."""
     path = tiny_model_factory("smollm2-135m")
     limits = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=32)
-    prompts, settings = gpu_workload(16, seed=3, max_prompt=90, max_output=40)
+    prompts, settings = mixed_workload(16, seed=3, max_prompt=90, max_output=40)
     settings = [dict({k: v for k, v in s.items() if k != "structured_outputs"}, ignore_eos=True) for s in settings]
     reference = run(m6, m6.LLM(path, **limits, cudagraph_capture_sizes=[1, 4]), prompts, settings)
     draft = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}
