@@ -205,8 +205,7 @@ class Step:
         try:
             status = self.process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            self.stop()
             status = 124
         self.copier.join()
         if status == 124:
@@ -218,8 +217,8 @@ class Step:
 def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Path | None) -> int:
     """Every step in one command, for a loan of minutes: the preflight; the test groups side by side (they check
     correctness, and one GPU has room for four small processes); the bench groups one at a time (timings want the
-    GPU alone). With ``budget``, each phase gets a share of the seconds left, in proportion to what it took on an
-    H100 (TESTS_SECONDS, BenchGroup.seconds), so time a phase leaves goes to the next; a phase with nothing left is
+    GPU alone). With ``budget``, each phase gets a share of the seconds left, in proportion to what it should take on
+    an H100 (TESTS_SECONDS, BenchGroup.seconds), so time a phase leaves goes to the next; a phase with nothing left is
     not started. With ``pack``, one archive of OUT at the end, whatever happened (SIGTERM included). Exits non-zero
     if any step failed, was stopped or did not run; ``summary.txt`` says which."""
     end = None if budget is None else time.monotonic() + budget
