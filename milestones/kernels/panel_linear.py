@@ -105,8 +105,9 @@ class PanelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, logits: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.logits = linear.in_features, linear.out_features, logits
-        self.packed_weight = pack_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
+        # Buffers, so that a compiled step (m5's capture, which freezes them) holds them as constants, not inputs.
+        self.register_buffer("packed_weight", pack_weight(linear.weight.detach()), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.milestones.panel_linear(x, self.packed_weight, self.bias, self.out_features)
@@ -125,7 +126,8 @@ class FusedMLP(nn.Module):
     def __init__(self, mlp: nn.Module) -> None:
         super().__init__()
         self.intermediate = mlp.gate_proj.out_features
-        self.packed_weight = pack_gate_up(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
+        packed = pack_gate_up(mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach())
+        self.register_buffer("packed_weight", packed, persistent=False)  # a buffer, as PanelLinear's
         self.down_proj = mlp.down_proj  # swapped for a PanelLinear with the model's other linear layers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,31 @@ def test_each_engine_replays_its_own_capture(tiny_model_path, captured, tmp_path
     assert second.engine.graph_stats()["replays"] > 0
 
 
+def test_a_weight_changed_in_place_after_capture_is_read(tiny_model_path):
+    """Capture freezes the weights into the compiled step as constants: they must stay the model's own tensors, not
+    copies. Every token's embedding moves to the next token id, in place, after capture, in m4 and in m5 alike: a
+    replay that still read a copy would decode from the old embeddings."""
+    def tokens(mod, llm) -> list[int]:
+        params = mod.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        return llm.generate([[5, 17, 29, 3, 11]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    def shift_embeddings(llm) -> None:
+        weight = llm.engine.runner.model.model.embed_tokens.weight
+        with torch.no_grad():
+            weight.copy_(weight.roll(1, dims=0))
+
+    eager, captured = m4.LLM(tiny_model_path, **LIMITS), m5.LLM(tiny_model_path, cudagraph_capture_sizes=[1], **LIMITS)
+    before = tokens(m4, eager)
+    assert tokens(m5, captured) == before
+    shift_embeddings(eager)
+    shift_embeddings(captured)
+    want = tokens(m4, eager)
+    assert want != before, "the shifted embeddings must change the tokens, or this is no test"
+    replays = captured.engine.graph_stats()["replays"]
+    assert tokens(m5, captured) == want
+    assert captured.engine.graph_stats()["replays"] > replays
+
+
 @pytest.mark.parametrize("sizes", [[0], [6], [], "4", [True]])
 def test_capture_sizes_are_checked(tiny_model_path, sizes):
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
