@@ -28,6 +28,17 @@ import torch
 
 ASSETS = Path(__file__).parent / "assets" / "smollm2-135m"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def stacked_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict named as transformers names it, renamed for our model: each attention's q, k and v projections
+    (weights, and biases where there are) stacked, in that order, as one ``qkv_proj``, as ``load_weights`` does."""
+    parts = ("q_proj", "k_proj", "v_proj")
+    stacked = {name: tensor for name, tensor in state.items() if not any(f"{part}." in name for part in parts)}
+    for name in state:
+        if "q_proj." in name:
+            stacked[name.replace("q_proj", "qkv_proj")] = torch.cat([state[name.replace("q_proj", p)] for p in parts])
+    return stacked
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3")
 KINDS = (*TINY_KINDS, "smollm2-135m")
 

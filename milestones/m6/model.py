@@ -151,9 +151,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projected by one product, as vLLM's qkv_proj: the input is read once, one call instead of three.
+        # A checkpoint stores them apart; load_weights copies each into its rows (q's, then k's, then v's).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -161,9 +162,9 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k, v = k.view(n, self.num_kv_heads, self.head_dim), v.view(n, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -254,11 +255,11 @@ class CausalLM(nn.Module):
     # --8<-- [end:compute_logits]
 
     def load_weights(self, folder: Path) -> None:
-        """Copy every ``*.safetensors`` tensor in ``folder`` into the module of the same name."""
+        """Copy every ``*.safetensors`` tensor in ``folder`` into the module of that name (q, k and v: qkv_proj)."""
         files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {folder}")
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = self.checkpoint_tensors()
         loaded = set()
         for file in files:
             for name, tensor in load_file(file).items():
@@ -273,9 +274,23 @@ class CausalLM(nn.Module):
                 if not tensor.is_floating_point():
                     raise ValueError(f"{file.name}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
                                      "(float32, bfloat16 or float16)")
-                expected.data.copy_(tensor)
+                expected.copy_(tensor)
                 loaded.add(name)
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         missing = set(params) - loaded - tied
         if missing:
             raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a checkpoint names, as what to copy it into: a parameter's data, or for q, k and v their rows
+        of ``qkv_proj``'s (vLLM's stacked parameters)."""
+        tensors = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            if ".qkv_proj." not in name:
+                tensors[name] = param.data
+                continue
+            attn = self.get_submodule(name.rsplit(".", 2)[0])
+            rows = param.data.split([attn.q_size, attn.kv_size, attn.kv_size])
+            for part, part_rows in zip(("q_proj", "k_proj", "v_proj"), rows):
+                tensors[name.replace("qkv_proj", part)] = part_rows
+        return tensors

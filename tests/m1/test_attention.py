@@ -25,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
 from milestones.m1.attention import AttentionContext, attention, decode_attention
 from milestones.m1.model import ModelConfig, SelfAttention
-from tests.checkpoints import checkpoint_config
+from tests.checkpoints import checkpoint_config, stacked_qkv
 
 from .cached_steps import ROWS, causal_mask, chunks, what
 from .closeness import EXACT, FLOAT32, expect_close
@@ -115,7 +115,7 @@ def test_self_attention_matches_llama_attention_on_smollm2(smollm2, prompt_len):
     """SmolLM2's layer 2: 9 query heads, 3 key/value heads; the cache has 3 layers, and only layer 2 is written."""
     layer, weights = 2, smollm2.weights("model.layers.2.self_attn.")
     ours, theirs = SelfAttention(smollm2.config, layer), LlamaAttention(smollm2.hf_config, layer)
-    ours.load_state_dict(weights)
+    ours.load_state_dict(stacked_qkv(weights))
     theirs.load_state_dict(weights)
     norm = LlamaRMSNorm(576, smollm2.config.rms_norm_eps)  # the layer's input: a normalised hidden state
     norm.load_state_dict(smollm2.weights("model.layers.2.input_layernorm."))
@@ -136,7 +136,7 @@ def test_self_attention_matches_qwen_attention(kind):
             if "norm" in name:
                 parameter.normal_(1.0, 0.3)
     ours = SelfAttention(ModelConfig.from_hf(hf_config), 1)
-    ours.load_state_dict(theirs.state_dict())
+    ours.load_state_dict(stacked_qkv(theirs.state_dict()))
     x = torch.randn(10, hf_config.hidden_size, generator=torch.Generator().manual_seed(4))
     compare_with_cache(ours, theirs, hf_config, x, 6, 1, 2, f"SelfAttention ({kind})")
 
@@ -153,7 +153,7 @@ def test_self_attention_attends_through_attention_py(smollm2, monkeypatch):
 
     monkeypatch.setattr(model, "attention", recorded)
     ours = SelfAttention(smollm2.config, 2)
-    ours.load_state_dict(smollm2.weights("model.layers.2.self_attn."))
+    ours.load_state_dict(stacked_qkv(smollm2.weights("model.layers.2.self_attn.")))
     cos, sin = torch.ones(4, 1, 64), torch.zeros(4, 1, 64)  # position 0's rotation: none
     ctx = AttentionContext(torch.zeros(3, ROWS, 3, 64), torch.zeros(3, ROWS, 3, 64), torch.arange(4), 4)
     with torch.no_grad():

@@ -12,6 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRot
 
 from milestones.m1.attention import AttentionContext
 from milestones.m1.model import DecoderLayer
+from tests.checkpoints import stacked_qkv
 
 from .cached_steps import ROWS, causal_mask, chunks, what
 from .closeness import FLOAT32, expect_close
@@ -21,7 +22,7 @@ def test_decoder_layer_matches_llama_decoder_layer_on_smollm2(smollm2):
     layer, prompt_len, total = 5, 9, 12
     weights = smollm2.weights(f"model.layers.{layer}.")
     ours, theirs = DecoderLayer(smollm2.config, layer), LlamaDecoderLayer(smollm2.hf_config, layer)
-    ours.load_state_dict(weights)
+    ours.load_state_dict(stacked_qkv(weights))
     theirs.load_state_dict(weights)
     x = torch.randn(total, 576, generator=torch.Generator().manual_seed(0))  # a hidden state of unit scale
     cos, sin = LlamaRotaryEmbedding(smollm2.hf_config)(x, torch.arange(total)[None])
