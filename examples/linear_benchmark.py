@@ -36,8 +36,8 @@ from pathlib import Path
 
 from _common import HelpFormatter
 
-SHAPES = "1536x576,576x1536,576x576,49152x576"  # SmolLM2-135M: gate/up, down, q/o, the LM head
-LAYER_SHAPES = "576x576,192x576,192x576,576x576,1536x576,1536x576,576x1536,49152x576"  # q k v o gate up down, head
+SHAPES = "1536x576,576x1536,576x576,960x576,49152x576"  # SmolLM2-135M: gate/up, down, o, qkv, the LM head
+LAYER_SHAPES = "960x576,576x576,1536x576,1536x576,576x1536,49152x576"  # qkv o gate up down, head
 
 
 def shape_list(text: str) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@
 The cache of each layer is ``[kv_heads, num_blocks, block_size, head_dim]``. A
 request's tokens are scattered over whichever blocks it was given; its *block
 table* lists them in order. Writing uses the *slot mapping*: new token i goes to
-slot ``slot_mapping[i] = block * block_size + offset``. Reading gathers the
+slot ``slot_mapping[i] = block * block_size + offset`` (the blocks end to end are the
+layer's slots: one indexed copy writes every new token). Reading gathers the
 request's blocks through its table, back into one contiguous run of keys: all
 requests' tables at once, one copy per layer, after which each request reads its
 own range exactly as in m2.
@@ -64,10 +65,9 @@ class KernelBatch:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: AttentionContext) -> torch.Tensor:
     """q: [n, heads, dim]; k, v: [n, kv_heads, dim] for the n new tokens of all requests."""
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
-    block_size = k_cache.shape[2]
-    blocks, offsets = ctx.slot_mapping // block_size, ctx.slot_mapping % block_size
-    k_cache[:, blocks, offsets] = k.transpose(0, 1)
-    v_cache[:, blocks, offsets] = v.transpose(0, 1)
+    num_kv_heads, _, _, dim = k_cache.shape  # the blocks end to end are slots: [kv_heads, slots, dim] views
+    k_cache.view(num_kv_heads, -1, dim).index_copy_(1, ctx.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, dim).index_copy_(1, ctx.slot_mapping, v.transpose(0, 1))
     out = torch.empty_like(q)
     if (batch := ctx.kernel_batch) is not None:  # the kernel reads the blocks where they are
         scale = q.shape[-1] ** -0.5

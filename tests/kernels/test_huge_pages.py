@@ -67,7 +67,7 @@ def test_an_engine_reads_its_packed_weights_front_to_back(tiny_model_path):
     layers = [module for module in runner.model.model.modules() if isinstance(module, (PanelLinear, FusedMLP))]
     layers.append(runner.packed_lm_head)
     pointers = [layer.packed_weight.data_ptr() for layer in layers]
-    assert len(layers) == 6 * len(runner.model.model.layers) + 1  # q, k, v, o, gate and up as one, down
+    assert len(layers) == 4 * len(runner.model.model.layers) + 1  # qkv, o, gate and up as one, down
     if LINUX:
         assert pointers == sorted(pointers)
 

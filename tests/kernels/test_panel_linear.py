@@ -177,8 +177,8 @@ def test_engines_swap_every_linear_and_keep_the_head(tiny_model_path, mod, dtype
     llm = mod.LLM(tiny_model_path, device="cpu", dtype=dtype, max_model_len=128, linear_backend="cpp")
     model = llm.engine.runner.model
     assert not any(isinstance(m, nn.Linear) for m in model.model.modules()), "an unswapped linear layer is left"
-    layers = model.config.num_layers  # q, k, v, o and down each a PanelLinear; gate and up one FusedMLP
-    assert sum(isinstance(m, PanelLinear) for m in model.model.modules()) == 5 * layers
+    layers = model.config.num_layers  # qkv, o and down each a PanelLinear; gate and up one FusedMLP
+    assert sum(isinstance(m, PanelLinear) for m in model.model.modules()) == 3 * layers
     assert sum(isinstance(m, FusedMLP) for m in model.model.modules()) == layers
     head = llm.engine.runner.compute_logits
     assert isinstance(head, PanelLinear) and isinstance(model.lm_head, nn.Linear)
