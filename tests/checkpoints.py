@@ -28,6 +28,8 @@ import torch
 
 ASSETS = Path(__file__).parent / "assets" / "smollm2-135m"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3")
+KINDS = (*TINY_KINDS, "smollm2-135m")
 
 
 def stacked_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -39,8 +41,6 @@ def stacked_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if "q_proj." in name:
             stacked[name.replace("q_proj", "qkv_proj")] = torch.cat([state[name.replace("q_proj", p)] for p in parts])
     return stacked
-TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3")
-KINDS = (*TINY_KINDS, "smollm2-135m")
 
 
 def checkpoint_config(kind: str):

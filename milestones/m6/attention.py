@@ -68,7 +68,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     block_size = k_cache.shape[2]
     blocks, offsets = ctx.slot_mapping // block_size, ctx.slot_mapping % block_size
     # Not m4's flat view of the slots: compiled, a write into an input itself stays in place, but a write through a
-    # view of it becomes a copy of the layer's whole cache at every step (3 times slower here). Eagerly, m4's is faster.
+    # view of it becomes a copy of the layer's whole cache at every step (a replay: 10 -> 39 ms).
     k_cache[:, blocks, offsets] = k.transpose(0, 1)
     v_cache[:, blocks, offsets] = v.transpose(0, 1)
     out = torch.empty_like(q)

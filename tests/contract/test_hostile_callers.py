@@ -238,6 +238,25 @@ def test_a_checkpoint_tensor_that_does_not_fit_is_named(mod, tiny_model_path, tm
         mod.LLM(folder, device="cpu", max_model_len=64)
 
 
+@pytest.mark.parametrize("broken", ["k_proj-broadcasts", "v_proj-missing"])
+def test_a_projection_stacked_into_qkv_proj_is_checked_on_its_own(mod, tiny_model_path, tmp_path, broken):
+    """q, k and v load into rows of one qkv_proj: a k that would broadcast into its rows, or a v that is missing,
+    is refused by its own checkpoint name, not loaded silently."""
+    folder = tmp_path / "bad-checkpoint"
+    shutil.copytree(tiny_model_path, folder)
+    tensors = load_file(folder / "model.safetensors")
+    if broken == "k_proj-broadcasts":
+        name = "model.layers.1.self_attn.k_proj.weight"
+        tensors[name] = tensors[name][:1].clone()
+        message = r"k_proj.*\[1, 64\]"
+    else:
+        del tensors["model.layers.1.self_attn.v_proj.weight"]
+        message = r"lacks 1 tensors.*layers\.1\.self_attn\.v_proj"
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=message):
+        mod.LLM(folder, device="cpu", max_model_len=64)
+
+
 # 8. A block size the pool or the context cannot hold.
 @pytest.mark.parametrize(
     "options, message",
