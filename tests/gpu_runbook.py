@@ -76,23 +76,26 @@ class BenchGroup:
     seconds: int  # its weight in ``all``'s budget: about what it should take on an H100, with room
 
 
-# Sized from the first H100 run (2026-11-27), whose graphs, hf and eager groups were stopped unfinished: a captured
-# decode step took about 5 ms there (an eager one was not measured: several times that is a guess), so 64 forced
-# tokens, two timed runs and 32 requests of at most 128 tokens should keep every group near a minute.
+# Sized from the first H100 run (2026-11-27, whose graphs, hf and eager groups were stopped unfinished) and the first
+# H200 run (2026-11-27: graphs, hf and speculative about a minute each; eager's m1-m3 four minutes, m4 another 105 s,
+# half of it batch 64, where an eager step took 300 ms). 64 forced tokens, two timed runs and 32 requests of at most
+# 128 tokens keep most groups near a minute.
 SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--output-len-range", "32,128")
-TESTS_SECONDS = 150  # the four test groups side by side took 95 s on the H100: their share of ``all``'s budget
+TESTS_SECONDS = 120  # the four test groups side by side took 95 s on the H100: their share of ``all``'s budget
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 BENCH_GROUPS = {  # in ``all``'s order: the groups with the issue's targets first
-    # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1).
+    # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1). Three passes of the
+    # small workload, each on a new engine: in the H200 run its one pass ran 5x faster in the last row than in the
+    # first three, and the spread of three says whether a first pass pays for something once.
     "graphs": BenchGroup("m5,m5@eager,m6,m6@sync", "decode,batch,small",
-                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", *SHORTER), 150),
+                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 120),
     # m6 and transformers in one run: the ratio is taken inside it.
-    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1", *SHORTER), 110),
-    # m7 against m6 at batch 1 (a random model copies nothing: what guessing costs where it finds little).
+    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1", *SHORTER), 80),
+    # m7 against m6 at batch 1 (in the H200 run the random model repeated itself: most n-gram guesses were kept).
     "speculative": BenchGroup("m6,m7@ngram,m7@draft", "grounded,open",
-                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8"), 80),
+                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8"), 70),
     "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed",
-                        ("--batch-sizes", "8,64", "--max-num-seqs", "64", "--m1-requests", "8", *SHORTER), 120),
+                        ("--batch-sizes", "8,32", "--max-num-seqs", "64", "--m1-requests", "8", *SHORTER), 200),
 }
 CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
                        "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
