@@ -130,7 +130,13 @@ def _graph_replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable
 
 
 def _compiled_replay(compiled: Callable, buffers: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
-    return lambda: compiled(*buffers)
+    def replay() -> torch.Tensor:
+        # Only the guards that tell the buckets apart (their buffers' shapes) are checked: a bucket is always called
+        # with its own buffers, so the others held when it compiled and hold at every replay. By hand, taking turns:
+        # a bfloat16 batch-1 replay 9.6 -> 8.8 ms, a float32 one 15.1 -> 14.3 ms.
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(*buffers)
+    return replay
 
 
 # --8<-- [start:own_entries]
@@ -147,8 +153,9 @@ def _own_method(method: Callable) -> Callable:
 def _guards_on_arguments(guards: list) -> list[bool]:
     """Keep the guards on the step's arguments (the buffers' shapes, one entry per bucket) and global state; drop
     those named from the runner, most of the ~5,000 on it and its model (each module's hooks, attributes, types).
-    A replay checks what is kept: with all of them, a millisecond of a 13 ms step on two cores. So after capture
-    nothing may swap a module or change a number the step reads (weights changed in place are still read)."""
+    Dynamo checks what is kept (a replay, only those that tell the buckets apart): with all of them, a millisecond of
+    a 13 ms step on two cores. So after capture nothing may swap a module or change a number the step reads (weights
+    changed in place are still read)."""
     return [not guard.name.startswith("self") for guard in guards]
 # --8<-- [end:own_entries]
 
