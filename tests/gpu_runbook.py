@@ -85,8 +85,8 @@ TESTS_SECONDS = 120  # the four test groups side by side took 95 s on the H100: 
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 BENCH_GROUPS = {  # in ``all``'s order: the groups with the issue's targets first
     # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1). Three passes of the
-    # small workload, each on a new engine: in the H200 run its one pass ran 5x faster in the last row than in the
-    # first three, and the spread of three says whether a first pass pays for something once.
+    # small workload (the first on the row's loaded engine, the others each on a new one): in the H200 run its one
+    # pass ran 4-5x faster in the last row than in the first three, and three say whether a first pass pays once.
     "graphs": BenchGroup("m5,m5@eager,m6,m6@sync", "decode,batch,small",
                          ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 120),
     # m6 and transformers in one run: the ratio is taken inside it.
@@ -95,7 +95,7 @@ BENCH_GROUPS = {  # in ``all``'s order: the groups with the issue's targets firs
     "speculative": BenchGroup("m6,m7@ngram,m7@draft", "grounded,open",
                               ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8"), 70),
     "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed",
-                        ("--batch-sizes", "8,32", "--max-num-seqs", "64", "--m1-requests", "8", *SHORTER), 200),
+                        ("--batch-sizes", "8,32", "--max-num-seqs", "64", "--m1-requests", "8", *SHORTER), 240),
 }
 CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
                        "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
