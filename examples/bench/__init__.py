@@ -5,7 +5,7 @@ comparable (and share the machine's noise). docs/benchmarks.md explains the
 workloads, rows and metrics and shows the results. Read in this order:
 
 cli.py             the flags; main() builds the workloads once, runs every row, reports
-workloads.py       decode, mixed and shared: the requests every row serves
+workloads.py       decode, mixed, shared, small and the chat ones: the requests every row serves
 rows.py            the row names (mK, mK@OPTION+OPTION, hf-...), the row dict the JSON holds, the median pass,
                    a Measurement (one loaded row on one workload) and the rounds that take turns (--interleave)
 milestone_rows.py  each milestone through its own engine API

@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 = all")
     g.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static row")
     g.add_argument("--mixed-runs", type=int, default=1,
-                   help="timed runs of the mixed and shared workloads per row; the run with the median throughput is "
-                        "reported")
+                   help="timed runs of each served workload (mixed, shared, small, grounded, open) per row; the run "
+                        "with the median throughput is reported")
 
     g = p.add_argument_group("shared-prefix workload (milestone rows only)")
     g.add_argument("--shared-prefix-len", type=int, default=600,
