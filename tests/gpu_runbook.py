@@ -77,9 +77,9 @@ class BenchGroup:
 
 
 # Sized from the first H100 run (2026-11-27, whose graphs, hf and eager groups were stopped unfinished) and the first
-# H200 run (2026-11-27: graphs, hf and speculative about a minute each; eager's m1-m3 four minutes, m4 another 105 s,
-# half of it batch 64, where an eager step took 300 ms). 64 forced tokens, two timed runs and 32 requests of at most
-# 128 tokens keep most groups near a minute.
+# H200 run (2026-11-27: graphs, hf and speculative about a minute each; eager stopped in m3 after four minutes, and
+# m4 alone took 105 s, half of it batch 64, where an eager step took 300 ms). 64 forced tokens, two timed runs and 32
+# requests of at most 128 tokens keep most groups near a minute.
 SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--output-len-range", "32,128")
 TESTS_SECONDS = 120  # the four test groups side by side took 95 s on the H100: their share of ``all``'s budget
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started

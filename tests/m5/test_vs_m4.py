@@ -111,6 +111,18 @@ def test_replaying_never_recompiles(captured):
     assert counters["stats"]["unique_graphs"] == graphs_before, "a replay compiled a new graph"
 
 
+def test_a_replay_leaves_guard_checks_on_for_the_rest_of_the_process(captured):
+    """A replay skips the guards that cannot fail (graph_runner._compiled_replay) through a process-wide stance: it
+    must be back to checking every guard once the replay returns, or other compiled code would run unchecked."""
+    from torch._dynamo import eval_frame
+
+    params = m5.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    replays_before = captured.engine.graph_stats()["replays"]
+    captured.generate(["Guards", "back"], params, use_tqdm=False)
+    assert captured.engine.graph_stats()["replays"] > replays_before
+    assert eval_frame._stance.skip_guard_eval_unsafe is False
+
+
 def test_each_engine_replays_its_own_capture(tiny_model_path, captured, tmp_path):
     """Two engines in one process, on two models alike in every shape and weight but one constant (RMSNorm's
     epsilon, which the compiled step holds as a number): each replays what it captured. A runner keeps no guards
