@@ -116,6 +116,8 @@ def test_a_replay_leaves_guard_checks_on_for_the_rest_of_the_process(captured):
     must be back to checking every guard once the replay returns, or other compiled code would run unchecked."""
     from torch._dynamo import eval_frame
 
+    if not hasattr(eval_frame, "_stance"):
+        pytest.skip(f"torch {torch.__version__} keeps dynamo's stance elsewhere: nothing to read it from")
     params = m5.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     replays_before = captured.engine.graph_stats()["replays"]
     captured.generate(["Guards", "back"], params, use_tqdm=False)
