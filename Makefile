@@ -81,7 +81,7 @@ bench: model
 
 # On a GPU machine, with that machine's own python3 (a CUDA torch, transformers, pytest): no venv, no install, no
 # package registry. Every step of the runbook in one command (docs/setup.md, "On a GPU: the runbook"), with no time
-# limit; GPU_BUDGET=560 shares that many seconds out among the steps. Fails if any step did.
+# limit; GPU_BUDGET=530 shares that many seconds out among the steps. Fails if any step did.
 GPU_PYTHON ?= python3
 GPU_OUT ?= gpu-results
 gpu-check:

@@ -7,28 +7,33 @@ others' results. Run from the repository root with the machine's own python3; no
 (the repository root is on the path, as ``python3 -m`` puts it there):
 
 # --8<-- [start:all]
-python3 -m tests.gpu_runbook all OUT --budget 560 --pack PACKED.tar.gz  # every step below, in one command
+python3 -m tests.gpu_runbook all OUT --budget 530 --pack PACKED.tar.gz  # every step below, in one command
 # --8<-- [end:all]
 # --8<-- [start:steps]
 python3 -m tests.gpu_runbook preflight OUT             # GPU, versions, the model: refuses early, says why
+python3 -m tests.gpu_runbook profile OUT               # m5, m6, m6@sync: host functions, device busy time per step
+python3 -m tests.gpu_runbook sdpa OUT                  # prefill attention cold, warm, in a new thread; cuDNN on, off
 python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transformers, defaults
 python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
 python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
-python3 -m tests.gpu_runbook bench OUT --group graphs  # m5, m6 against their switches turned off
+python3 -m tests.gpu_runbook tests OUT --group attention  # one attention call per layer against the loop
+python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m5 and m5@eager; the small workload thrice
+python3 -m tests.gpu_runbook bench OUT --group 8b      # m6 against m6@sync on Llama-3.1-8B's shape (--layers N)
 python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers, in one run
 python3 -m tests.gpu_runbook bench OUT --group speculative  # m7's guesses (ngram, a draft) against m6, batch 1
-python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4
+python3 -m tests.gpu_runbook bench OUT --group eager   # m1-m4, a short reference
 # --8<-- [end:steps]
 
-``all`` is the form for a loan of minutes: the test groups run side by side, then the bench groups one at a
-time, each phase stopped at its share of what is left of ``--budget`` seconds, and ``--pack`` writes one archive
-of OUT at the end (a loan may hand back only a few files). Then ``python examples/gpu_figures.py DIR...``
-(here, on the returned folders) puts the figures in the docs. ``--device cpu`` rehearses every step on a tiny
-model and tiny workloads (CI runs it: tests/test_gpu_runbook.py), which checks the plumbing, not the speed.
-Every step sets HF_HUB_OFFLINE=1: the model is a seeded random checkpoint of SmolLM2-135M's exact shape, made
-on the machine by tests/checkpoints.py (the bundled model's package is not there), which runs at the same speed
-as the real weights.
+``all`` is the form for a loan of minutes: the profile and the attention diagnostic, the test groups side by side,
+then the bench groups one at a time, each phase stopped at its share of what is left of ``--budget`` seconds, and
+``--pack`` writes one archive of OUT at the end (a loan may hand back only a few files). Then
+``python examples/gpu_figures.py DIR...`` (here, on the returned folders) puts the figures in the docs.
+``--device cpu`` rehearses every step on a tiny model and tiny workloads (CI runs it: tests/test_gpu_runbook.py),
+which checks the plumbing, not the speed. Every step sets HF_HUB_OFFLINE=1: the model is a seeded random
+checkpoint of SmolLM2-135M's exact shape, made on the machine by tests/checkpoints.py (the bundled model's package
+is not there), which runs at the same speed as the real weights; the 8b group makes its own, of Llama-3.1-8B's
+shape (16 GB, timed in its log).
 """
 
 from __future__ import annotations
@@ -38,16 +43,16 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import signal
-import subprocess
 import sys
 import tarfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.gpu_steps import NOT_RUN, Outcome, Step, chained, outcome
+
 GPU_MODEL = Path("/tmp/milestones-smollm2-135m-random")
 CPU_MODEL = Path("/tmp/milestones-runbook-tiny-llama")  # the rehearsal's: a tiny checkpoint, made in a second
 MIN_VERSIONS = {  # what the code and the tests need, and why
@@ -59,13 +64,15 @@ MIN_VERSIONS = {  # what the code and the tests need, and why
 # Used where present: without it the CUDA tests run the workload's structured-output requests as plain ones.
 OPTIONAL = {"llguidance": "structured output (milestones/*/structured_output.py)"}
 
-# The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda/test_cuda.py).
-TEST_GROUPS = {
+# The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda). The batched attention's
+# tests are a group of their own whatever else their names say; until they exist it selects none, which is no failure.
+ATTENTION_TESTS = "batched_attention"
+TEST_GROUPS = {group: f"({expression}) and not {ATTENTION_TESTS}" for group, expression in {
     "reference": "m1_matches_transformers or m1_in_bfloat16 or cuda_and_cpu_agree or defaults_on_a_gpu",
     "chain": "the_chain_holds",
     "graphs": "m5_ or m6_",
     "speculative": "m7_",
-}
+}.items()} | {"attention": ATTENTION_TESTS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +81,12 @@ class BenchGroup:
     workloads: str
     flags: tuple[str, ...]  # on the GPU: sized to finish in a minute or two on an H100
     seconds: int  # its weight in ``all``'s budget: about what it should take on an H100, with room
+    checkpoint: str | None = None  # a checkpoint kind of its own, made by its step (the CPU rehearsal: KIND-tiny)
+    cpu_engines: str | None = None  # the CPU rehearsal's rows, where the group's own would compile for a minute
+
+    def rows(self, device: str) -> str:
+        """The engines it runs on ``device``."""
+        return self.cpu_engines if device == "cpu" and self.cpu_engines else self.engines
 
 
 # Sized from the first H100 run (2026-11-27, whose graphs, hf and eager groups were stopped unfinished) and the first
@@ -81,21 +94,37 @@ class BenchGroup:
 # m4 alone took 105 s, half of it batch 64, where an eager step took 300 ms). 64 forced tokens, two timed runs and 32
 # requests of at most 128 tokens keep most groups near a minute.
 SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--output-len-range", "32,128")
-TESTS_SECONDS = 120  # the four test groups side by side took 95 s on the H100: their share of ``all``'s budget
+# ``all``'s weights, in its order (issue 55, item 7): the questions first (where a step's 4-5 ms go; whether a new
+# thread pays again for attention's first calls), then the checks, the graphs and overlap lessons, the 8B shape where
+# overlap can pay, the comparison with transformers, speculation, and the eager rows, which have no target, last and
+# short. They add up to 520 s: ``--budget 530`` fits a 600 s command, and a 15-minute loan keeps minutes to rerun a
+# step. The profile (three engines, nine scenarios of three passes) and the diagnostic (three processes) are guesses
+# until a GPU has run them; the tests took 95 s side by side on the H100.
+PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 70, 20, 100
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
-BENCH_GROUPS = {  # in ``all``'s order: the groups with the issue's targets first
-    # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1). Three passes of the
-    # small workload (the first on the row's loaded engine, the others each on a new one): in the H200 run its one
-    # pass ran 4-5x faster in the last row than in the first three, and three say whether a first pass pays once.
-    "graphs": BenchGroup("m5,m5@eager,m6,m6@sync", "decode,batch,small",
-                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 120),
+EIGHT_B_LAYERS = 32  # the whole of Llama-3.1-8B: 16 GB a step, 3.3 ms on an H200 and 4.9 on an H100, like the host's
+BENCH_GROUPS = {  # in ``all``'s order
+    # The graphs and overlap lessons, each against its own switch turned off (decode is batch 1). m6@sync first, so
+    # that whatever the first engine of a process pays falls on a baseline. Three passes of the small workload (the
+    # first on the row's loaded engine, the others each on a new one): in the H200 run its one pass ran 4-5x faster
+    # in the last row than in the first three, and three say whether a first pass pays once.
+    "graphs": BenchGroup("m6@sync,m6,m5,m5@eager", "decode,batch,small",
+                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 80),
+    # Overlap where the device's time per step is like the host's (~4 ms): Llama-3.1-8B's shape, made on the GPU, and
+    # loaded once per row (the milestones stage it in float32 on the device: 48 GB at peak). Estimated, not yet run:
+    # 10-30 s to make it, 10-20 s a load, seconds for the rows.
+    "8b": BenchGroup("m6@sync,m6", "decode,batch,mixed",
+                     ("--batch-sizes", "8,32", "--max-num-seqs", "32", "--decode-tokens", "32", "--runs", "2",
+                      "--num-requests", "32", "--output-len-range", "32,128"), 110, checkpoint="llama3.1-8b",
+                     cpu_engines="m6@sync+eager,m6@async+eager"),  # a new shape: a CPU's torch.compile is cold
     # m6 and transformers in one run: the ratio is taken inside it.
-    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1", *SHORTER), 80),
+    "hf": BenchGroup("m6,hf-generate,hf-static", "decode,mixed", ("--mixed-runs", "1", *SHORTER), 60),
     # m7 against m6 at batch 1 (in the H200 run the random model repeated itself: most n-gram guesses were kept).
     "speculative": BenchGroup("m6,m7@ngram,m7@draft", "grounded,open",
-                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8"), 70),
-    "eager": BenchGroup("m1,m2,m3,m4", "decode,batch,mixed",
-                        ("--batch-sizes", "8,32", "--max-num-seqs", "64", "--m1-requests", "8", *SHORTER), 240),
+                              ("--max-num-seqs", "1", "--chat-requests", "8", "--draft-layers", "8"), 50),
+    # A reference only: one small batch, 32 tokens, one timed run (an eager step takes 28-56 ms on an H200).
+    "eager": BenchGroup("m1,m2,m3,m4", "decode,batch",
+                        ("--batch-sizes", "8", "--max-num-seqs", "8", "--decode-tokens", "32", "--runs", "1"), 30),
 }
 CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
                        "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
@@ -133,6 +162,7 @@ def preflight(out: Path, device: str, model: Path) -> int:
             props = torch.cuda.get_device_properties(0)
             facts["gpu"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
             facts["cuda"] = torch.version.cuda
+    facts["free in /tmp"] = f"{shutil.disk_usage('/tmp').free / 1e9:.0f} GB (the 8b group writes 16 GB there)"
     if not problems:
         facts["model"] = str(ensure_model(model, device))
     report = {"ok": not problems, "problems": problems, "facts": facts}
@@ -146,11 +176,22 @@ def preflight(out: Path, device: str, model: Path) -> int:
 
 def ensure_model(model: Path, device: str) -> Path:
     """The random checkpoint the GPU steps use (SmolLM2-135M's shape; a tiny llama for the CPU rehearsal)."""
-    if not (model / "model.safetensors").is_file():
-        from tests.checkpoints import make_checkpoint
+    from tests.checkpoints import is_complete, make_checkpoint
 
+    if not is_complete(model):
         make_checkpoint("smollm2-135m" if device == "cuda" else "llama", model)
     return model
+
+
+def profile_command(out: Path, device: str, model: Path) -> list[str]:
+    """Where m5's and m6's steps spend their time (tests/gpu_profile.py), into OUT/profile/."""
+    return [sys.executable, "-m", "tests.gpu_profile", str(out), "--model", str(ensure_model(model, device)),
+            "--device", device, *(["--threads", "1"] if device == "cpu" else [])]
+
+
+def sdpa_command(out: Path, device: str) -> list[str]:
+    """Prefill attention's first calls, per thread and with cuDNN on and off (tests/gpu_sdpa.py), into OUT/sdpa.*."""
+    return [sys.executable, "-m", "tests.gpu_sdpa", str(out), "--device", device]
 
 
 def tests_command(out: Path, group: str) -> list[str]:
@@ -159,107 +200,84 @@ def tests_command(out: Path, group: str) -> list[str]:
             "-s", "-p", "no:cacheprovider", f"--junitxml={out / f'tests-{group}.xml'}"]
 
 
-def bench_command(out: Path, group: str, device: str, model: Path, engines: str | None = None) -> list[str]:
-    """One group of benchmark rows; the JSON is rewritten after every row, and a failed row fails the step."""
-    spec = BENCH_GROUPS[group]
-    return [sys.executable, "examples/benchmark.py", "--model", str(ensure_model(model, device)),
-            "--device", device, "--engines", engines or spec.engines, "--workloads", spec.workloads,
-            *(spec.flags if device == "cuda" else CPU_REHEARSAL_FLAGS), "--out", str(out / f"bench-{group}.json")]
+def bench_command(out: Path, group: str, device: str, model: Path, layers: int, engines: str | None = None
+                  ) -> list[str]:
+    """One group of benchmark rows; the JSON is rewritten after every row, and a failed row fails the step. A group
+    with a checkpoint of its own first makes it, unless it is there (its log says how long that took)."""
+    from tests.checkpoints import is_complete
+
+    spec, make = BENCH_GROUPS[group], []
+    if spec.checkpoint is None:
+        model = ensure_model(model, device)
+    else:
+        kind = spec.checkpoint if device == "cuda" else f"{spec.checkpoint}-tiny"
+        # Beside the runbook's model (in /tmp on the GPU; the rehearsal's test keeps it in its own folder).
+        model = model.parent / (f"milestones-{kind}-random" + (f"-{layers}-layers" if device == "cuda" else ""))
+        if not is_complete(model):
+            make = [[sys.executable, "-m", "tests.checkpoints", kind, str(model), "--device", device,
+                     *(["--layers", str(layers)] if device == "cuda" else [])]]
+    return chained([*make, [sys.executable, "examples/benchmark.py", "--model", str(model), "--device", device,
+                            "--engines", engines or spec.rows(device), "--workloads", spec.workloads,
+                            *(spec.flags if device == "cuda" else CPU_REHEARSAL_FLAGS),
+                            "--out", str(out / f"bench-{group}.json")]])
 
 
-@dataclass(slots=True)
-class Step:
-    """A command running from the repository root, its output copied into its log as it comes (a step stopped at
-    its time limit keeps what it printed), and to the terminal if ``echo``."""
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """Steps that run side by side, sharing ``seconds`` of weight in ``all``'s budget; each named in the summary."""
 
-    process: subprocess.Popen
-    copier: threading.Thread
-    log: Path
-
-    @classmethod
-    def start(cls, command: list[str], log: Path, echo: bool = True) -> Step:
-        print("$", " ".join(command), flush=True)
-        sink = log.open("w")
-        sink.write("$ " + " ".join(command) + "\n")
-        sink.flush()
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, start_new_session=True)  # its own group: stopped with its children
-
-        def copy() -> None:
-            with sink:
-                for line in process.stdout:
-                    if echo:
-                        sys.stdout.write(line)
-                    sink.write(line)
-                    sink.flush()
-
-        copier = threading.Thread(target=copy, daemon=True)
-        copier.start()
-        return cls(process, copier, log)
-
-    def stop(self) -> None:
-        """Kill it and its children if it is still running."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def finish(self, deadline: float | None = None) -> int:
-        """Its exit status; at ``deadline`` (time.monotonic()) it is stopped, says so in its log, and gives 124."""
-        try:
-            status = self.process.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            status = 124
-        self.copier.join()
-        if status == 124:
-            with self.log.open("a") as sink:
-                sink.write("runbook: stopped at its time limit (what it wrote so far is kept)\n")
-        return status
+    name: str
+    seconds: int
+    steps: dict[str, tuple[list[str], Path]]  # summary name -> (command, log)
+    echo: bool = True  # the test groups' logs are read later; the others are followed as they run
 
 
-def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Path | None) -> int:
-    """Every step in one command, for a loan of minutes: the preflight; the test groups side by side (they check
-    correctness, and one GPU has room for four small processes); the bench groups one at a time (timings want the
-    GPU alone). With ``budget``, each phase gets a share of the seconds left, in proportion to what it should take on
-    an H100 (TESTS_SECONDS, BenchGroup.seconds), so time a phase leaves goes to the next; a phase with nothing left is
-    not started. With ``pack``, one archive of OUT at the end, whatever happened (SIGTERM included). Exits non-zero
-    if any step failed, was stopped or did not run; ``summary.txt`` says which."""
+def phases(out: Path, device: str, model: Path, layers: int) -> list[Phase]:
+    """``all``'s phases, in order."""
+    return [Phase("profile", PROFILE_SECONDS, {"profile": (profile_command(out, device, model), out / "profile.log")}),
+            Phase("sdpa", SDPA_SECONDS, {"sdpa": (sdpa_command(out, device), out / "sdpa.log")}),
+            Phase("tests", TESTS_SECONDS, {f"tests {g}": (tests_command(out, g), out / f"tests-{g}.log")
+                                           for g in TEST_GROUPS}, echo=False),
+            *(Phase(g, spec.seconds, {f"bench {g}": (bench_command(out, g, device, model, layers),
+                                                     out / f"bench-{g}.log")})
+              for g, spec in BENCH_GROUPS.items())]
+
+
+def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Path | None, layers: int) -> int:
+    """Every step in one command, for a loan of minutes: the preflight, then each phase in turn (the test groups side
+    by side: they check correctness, and one GPU has room for five small processes; everything else alone, as timings
+    want the GPU to themselves). With ``budget``, each phase gets a share of the seconds left, in proportion to its
+    weight (Phase.seconds), so time a phase leaves goes to the next; a phase with nothing left is not started. With
+    ``pack``, one archive of OUT at the end, whatever happened (SIGTERM included). Exits non-zero if any step failed,
+    was stopped or did not run; ``summary.txt`` says which, and how long each took."""
     end = None if budget is None else time.monotonic() + budget
-    phases = {"tests": TESTS_SECONDS, **{group: spec.seconds for group, spec in BENCH_GROUPS.items()}}
-
-    def deadline(phase: str) -> float | None:
-        """Now plus this phase's share of the time left (None: no budget)."""
-        if end is None:
-            return None
-        later = list(phases)[list(phases).index(phase):]
-        return time.monotonic() + (end - time.monotonic()) * phases[phase] / sum(phases[p] for p in later)
-
-    results: dict[str, int | str] = {}
+    results: dict[str, Outcome] = {}
+    seconds: dict[str, float] = {}  # each step's, in the summary: what the next loan's weights are set from
     live: list[Step] = []
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        results["preflight"] = preflight(out, device, model)
-        if results["preflight"] == 0:
-            until = deadline("tests")
-            if until is not None and until - time.monotonic() < MIN_STEP_SECONDS:
-                results.update({f"tests {group}": "not run (no time left)" for group in TEST_GROUPS})
-            else:
-                live += [Step.start(tests_command(out, group), out / f"tests-{group}.log", echo=False)
-                         for group in TEST_GROUPS]
-                for group, step in zip(TEST_GROUPS, live):
-                    results[f"tests {group}"] = step.finish(until)
-            for group in BENCH_GROUPS:
-                until = deadline(group)
-                if until is not None and until - time.monotonic() < MIN_STEP_SECONDS:
-                    results[f"bench {group}"] = "not run (no time left)"
-                    continue
-                live.append(Step.start(bench_command(out, group, device, model), out / f"bench-{group}.log"))
-                results[f"bench {group}"] = live[-1].finish(until)
+        began = time.monotonic()
+        results["preflight"] = outcome(preflight(out, device, model))
+        seconds["preflight"] = time.monotonic() - began
+        planned = phases(out, device, model, layers) if results["preflight"].ok else []
+        for number, phase in enumerate(planned):
+            began = time.monotonic()
+            until = None if end is None else began + (end - began) * phase.seconds / sum(
+                later.seconds for later in planned[number:])
+            if until is not None and until - began < MIN_STEP_SECONDS:
+                results.update(dict.fromkeys(phase.steps, NOT_RUN))
+                continue
+            started = {name: Step.start(command, log, phase.echo) for name, (command, log) in phase.steps.items()}
+            live += started.values()
+            for name, step in started.items():
+                results[name] = outcome(step.finish(until), tests=phase.name == "tests")
+                seconds[name] = step.seconds
     finally:
         signal.signal(signal.SIGTERM, previous)
         for step in live:
             step.stop()  # a step still running when something broke: no orphan holds the GPU
-        lines = [f"{name}: {describe(status)}" for name, status in results.items()]
+        lines = [f"{name}: {result.text}" + (f", {seconds[name]:.0f} s" if name in seconds else "")
+                 for name, result in results.items()]
         (out / "summary.txt").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         if pack is not None:
@@ -267,17 +285,7 @@ def run_all(out: Path, device: str, model: Path, budget: float | None, pack: Pat
             with tarfile.open(pack, "w:gz") as archive:
                 archive.add(out, arcname=out.name)
             print(f"packed {out} into {pack}")
-    return int(any(status != 0 for status in results.values()))
-
-
-def describe(status: int | str) -> str:
-    if isinstance(status, str):
-        return status
-    if status == 0:
-        return "ok"
-    if status == 124:
-        return "stopped at its time limit"
-    return f"killed by signal {-status}" if status < 0 else f"failed (exit status {status})"
+    return int(not all(result.ok for result in results.values()))
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:
@@ -286,12 +294,14 @@ def _exit_on_sigterm(signum: int, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=["preflight", "tests", "bench", "all"])
+    parser.add_argument("step", choices=["preflight", "profile", "sdpa", "tests", "bench", "all"])
     parser.add_argument("out", type=Path, help="the folder to write into (the one that comes back)")
     parser.add_argument("--group", help=f"tests: {', '.join(TEST_GROUPS)}; bench: {', '.join(BENCH_GROUPS)}")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: rehearse on a tiny model")
     parser.add_argument("--model", type=Path, default=None, help="the checkpoint (made if missing)")
     parser.add_argument("--engines", default=None, help="bench: these rows instead of the group's (re-running one)")
+    parser.add_argument("--layers", type=int, default=EIGHT_B_LAYERS,
+                        help="bench 8b and all: the 8B shape's layers (fewer if the whole does not fit the loan)")
     parser.add_argument("--budget", type=float, default=None, help="all: stop every step by this many seconds")
     parser.add_argument("--pack", type=Path, default=None, help="all: then write OUT into this .tar.gz")
     args = parser.parse_args(argv)
@@ -304,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.step == "preflight":
         return preflight(args.out, args.device, model)
     if args.step == "all":
-        return run_all(args.out, args.device, model, args.budget, args.pack)
+        return run_all(args.out, args.device, model, args.budget, args.pack, args.layers)
     if args.step == "tests":
-        return Step.start(tests_command(args.out, args.group), args.out / f"tests-{args.group}.log").finish()
-    return Step.start(bench_command(args.out, args.group, args.device, model, args.engines),
-                      args.out / f"bench-{args.group}.log").finish()
+        status = Step.start(tests_command(args.out, args.group), args.out / f"tests-{args.group}.log").finish()
+        print(f"tests {args.group}: {outcome(status, tests=True).text}")
+        return int(not outcome(status, tests=True).ok)
+    command = {"profile": lambda: profile_command(args.out, args.device, model),
+               "sdpa": lambda: sdpa_command(args.out, args.device),
+               "bench": lambda: bench_command(args.out, args.group, args.device, model, args.layers, args.engines)}
+    log = args.out / (f"bench-{args.group}.log" if args.step == "bench" else f"{args.step}.log")
+    return Step.start(command[args.step](), log).finish()
 
 
 if __name__ == "__main__":
