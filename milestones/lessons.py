@@ -363,10 +363,11 @@ LESSONS: dict[str, tuple[Step, ...]] = {
               Exercise("graph_runner.py", "run", ("GraphRunner.run",),
                        "size: the smallest of self.sizes that holds the batch's rows. Fill the first size rows of "
                        "every static buffer with `self._fill(buffer, size, values)`: input_ids and positions (0 "
-                       "for padding rows), slot_mapping (self.scratch_slot for padding), block_tables (each "
-                       "table padded to the buffer's width with self.scratch_block, padding rows all scratch) and "
-                       "context_lens (1 for padding). Count `self.num_replays += 1` and `self.num_padded_rows += "
-                       "pad`, replay with `self.replays[size]()` and return its first num_rows rows."))),
+                       "for padding rows), slot_mapping (self.scratch_slot for padding) and context_lens (1 for "
+                       "padding); the block tables with `self._fill_tables(size, inputs.block_tables)`, which "
+                       "puts the scratch block in every entry no table fills. Count `self.num_replays += 1` and "
+                       "`self.num_padded_rows += pad`, replay with `self.replays[size]()` and return its first "
+                       "num_rows rows."))),
         Step("the engine, the same tokens as m4",
              ("tests/m5/test_vs_m4.py", "-k", "not padded_replay and not small_batch_after_a_large"),
              "'output token T differs' with step 1 passing: run the same workload with enforce_eager=True, which "

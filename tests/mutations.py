@@ -273,7 +273,7 @@ CATALOGUE = (
     ),
     Mutation(
         "m4-cache-keeps-old-lock", "milestones/m4/scheduler.py",
-        "        self.tree.lock(node)\n        self.tree.unlock(locked)\n",
+        "        self.tree.lock(node)\n        self.tree.unlock(self.locked[seq.request_id])\n",
         "        self.tree.lock(node)\n",
         ("tests/m4/test_cache_steps.py::test_a_running_requests_blocks_are_cached_at_the_start_of_the_next_step",),
         "a request that extends its cached path locks the new end but never unlocks the old one",
@@ -340,15 +340,13 @@ CATALOGUE = (
     ),
     Mutation(
         "m5-tables-padded-with-block-0", "milestones/m5/graph_runner.py",
-        "tables = [table + [self.scratch_block] * (width - len(table)) for table in inputs.block_tables]",
-        "tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]",
+        "        rows[:size] = self.scratch_block", "        rows[:size] = 0",
         ("tests/m5/test_padded_inputs.py::test_a_batch_of_three_is_padded_to_the_bucket_of_four_with_scratch_rows",),
         "a real row's unused table entries point at block 0, a real request's, not at the scratch block",
     ),
     Mutation(
         "m5-padding-rows-keep-old-tables", "milestones/m5/graph_runner.py",
-        "        self._fill(self.block_tables, size, tables + [[self.scratch_block] * width] * pad)",
-        "        self._fill(self.block_tables, num_rows, tables)",
+        "        rows[:size] = self.scratch_block", "        rows[: len(tables)] = self.scratch_block",
         ("tests/m5/test_padded_inputs.py::test_a_small_batch_after_a_large_one_leaves_nothing_of_it_in_the_buffers",),
         "only the real rows' tables are written, so the padding rows keep a larger batch's old tables",
     ),

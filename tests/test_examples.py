@@ -159,6 +159,27 @@ def test_benchmark_batch_workload_and_bandwidth(tiny_model_path, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_benchmark_host_rows_time_the_engines_own_steps(tmp_path):
+    """The host workload: each row on the tiny host checkpoint, a row per batch size (m1: batch 1 only), every step
+    of a captured milestone replayed, and the per-request slope between the smallest and the largest batch."""
+    out = tmp_path / "host.json"
+    run_script("examples/benchmark.py", "--device", "cpu", "--engines", "m1,m4,m6", "--workloads", "host",
+               "--host-batch-sizes", "1,3", "--host-steps", "6", "--threads", "1", "--out", str(out), timeout=600)
+    rows = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("host-1", "m1"), ("host-1", "m4"), ("host-3", "m4"), ("host-1", "m6"), ("host-3", "m6")}
+    for (workload, engine), row in rows.items():
+        assert row["status"] == "ok", (workload, engine, row["error"])
+        assert row["host_step_ms"] > 0 and row["output_tokens"] == row["batch_size"] * 6
+        assert row["output_tokens_per_s"] == pytest.approx(row["batch_size"] / row["host_step_ms"] * 1e3)
+    assert "host_us_per_row" not in rows[("host-1", "m1")], "one batch size has no slope"
+    for engine in ("m4", "m6"):
+        small, large = rows[("host-1", engine)], rows[("host-3", engine)]
+        assert small["host_us_per_row"] == large["host_us_per_row"] == pytest.approx(
+            (large["host_step_ms"] - small["host_step_ms"]) / 2 * 1e3)
+    for workload in ("host-1", "host-3"):  # every timed step of m6 replays its captured bucket
+        assert rows[(workload, "m6")]["replays"] == 6 and rows[(workload, "m6")]["eager_steps"] == 0
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "smollm2-135m"])
 def test_weight_bytes_per_token_counts_every_matrix_a_token_reads(tiny_model_factory, kind):
     """Every linear layer's weight, the LM head included (with tied embeddings: the embedding table, read whole)."""

@@ -23,7 +23,8 @@ from .rows import (
 from .workloads import WORKLOADS, Setup, build_workloads, fitting_max_model_len
 
 DOCS_DIR = REPO_ROOT / "docs" / "assets" / "benchmarks"
-POSITIVE_FLAGS = ("decode_tokens", "decode_prompt_len", "runs", "num_requests", "hf_batch_size", "mixed_runs")
+POSITIVE_FLAGS = ("decode_tokens", "decode_prompt_len", "runs", "num_requests", "hf_batch_size", "mixed_runs",
+                  "host_steps")
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -110,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-layers", type=int, default=4,
                    help="m7@draft rows: the draft is the model's first this many layers")
 
+    g = p.add_argument_group("host workload (milestone rows only): the engine's own work per step, on a tiny model")
+    g.add_argument("--host-batch-sizes", type=size_list, default="1,8,64",
+                   help="requests decoding at once, a row per size; m1 runs batch 1 only")
+    g.add_argument("--host-steps", type=int, default=64, help="decode steps timed one by one; the median is reported")
+
     g = p.add_argument_group("engine options (passed only to milestones whose EngineConfig has them)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests running at once; default: the milestone's own "
@@ -177,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from milestones.model_store import resolve_model
 
-    from . import hf_rows, milestone_rows, plots, report
+    from . import hf_rows, host_rows, milestone_rows, plots, report
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         save_so_far(hf_rows.run_transformers(setup))
         save_so_far(llama_cpp_rows.run_llama_cpp(setup) if args.llama_cpp_rows else [])
     report.add_ratios_to_hf(rows, args.hf_batch_size)
+    host_rows.add_host_per_row(rows)
     report.token_agreement(rows)
     report.add_bandwidth_fractions(rows, setup.weight_bytes_per_token, bandwidth, setup.dtype)
     load = report.load_average()

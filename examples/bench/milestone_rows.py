@@ -7,6 +7,7 @@ shared, only while the engine works: it stops after each step while ``kv_usage()
 small,  ``speculative_config`` (the ``@ngram`` and ``@draft`` rows) also reports the guesses it made and kept.
 grounded,
 open
+host    a second engine on a tiny checkpoint, B requests decoding: milliseconds per step (host_rows.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from milestones.model_store import first_layers_copy
 
+from .host_rows import host_engine, host_row
 from .rows import (
     MB,
     Measurement,
@@ -82,17 +84,19 @@ def load_row(row: MilestoneRow, setup: Setup) -> list[Measurement]:
     try:
         mod = importlib.import_module(f"milestones.{row.milestone}")
         kwargs = engine_kwargs(mod, row, setup)
-        dtype = kwargs.pop("dtype", setup.dtype)  # a row's own dtype (m1@bf16) beats --dtype
-        new_llm = functools.partial(mod.LLM, args.model, device=setup.device, dtype=dtype, **kwargs)
+        kwargs.setdefault("dtype", setup.dtype)  # a row's own dtype (m1@bf16) beats --dtype
+        new_llm = functools.partial(mod.LLM, args.model, device=setup.device, **kwargs)
         start = time.perf_counter()
-        llm = new_llm()
+        llm = new_llm() if set(args.workloads) != {"host"} else None  # the host rows load an engine of their own
         load_s = time.perf_counter() - start
-        extra = {"engine_kwargs": kwargs, "engine_config": config_dict(llm.engine.config), "load_s": load_s,
-                 **fast_paths(llm.engine.runner)}
+        extra = {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "dtype"}, "load_s": load_s}
+        if llm is not None:
+            extra |= {"engine_config": config_dict(llm.engine.config), **fast_paths(llm.engine.runner)}
+        runs = workload_runs(row, mod, llm, new_llm, setup, kwargs)
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
         return [failed_measurement(w, row.name, "milestone", err) for w in args.workloads]
     return [Measurement(row.name, workload, functools.partial(measure, row.name, extra, workload, run))
-            for workload, run in workload_runs(row, mod, llm, new_llm, setup)]
+            for workload, run in runs]
 
 
 def measure(name: str, extra: dict, workload: str, run: Callable[[], dict]) -> dict:
@@ -109,8 +113,8 @@ def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
     return rows
 
 
-def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any],
-                  setup: Setup) -> list[tuple[str, Callable[[], dict]]]:
+def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[], Any], setup: Setup,
+                  kwargs: dict) -> list[tuple[str, Callable[[], dict]]]:
     """Each row to measure, as (its workload label, a call that measures it); the batch workload is one per size."""
     args, runs = setup.args, []
     unused = [llm]  # the loaded engine serves one pass of a served workload, the first; every other pass a new one
@@ -124,6 +128,9 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
             runs += [(f"batch-{size}", functools.partial(decode_row, row, mod, llm, setup,
                                                          setup.workloads.batch_prompts[:size], f"batch-{size}"))
                      for size in args.batch_sizes]
+        elif workload == "host":
+            host_llm, sizes = host_engine(mod, row, setup, kwargs)
+            runs += [(f"host-{size}", functools.partial(host_row, row, mod, host_llm, setup, size)) for size in sizes]
         else:
             runs.append((workload, functools.partial(mixed_passes, row, mod, unused, new_llm, setup, workload)))
     return runs

@@ -13,6 +13,8 @@ open    chat requests with nothing to copy (stories, explanations): where guessi
         Both end at the answer's end-of-sequence token, as a served chat answer does (every row makes the same
         tokens, so the same work): forced on past it, the model chatters on in turns of its own invention, which
         time something else than the copy or the story.
+host    the engine's own work per step: each milestone row on a tiny checkpoint, B requests decoding, for each B of
+        --host-batch-sizes (host_rows.py; milestone rows only).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 SMALL_REQUESTS = 64  # the small workload: this many requests of 4-16 prompt and 4-16 output tokens
-WORKLOADS = ("decode", "mixed", "shared", "batch", "small", "grounded", "open")
+WORKLOADS = ("decode", "mixed", "shared", "batch", "small", "grounded", "open", "host")
 GROUNDED_ASKS = ("Copy the following text exactly, word for word:", "Repeat this text, one sentence per line:",
                  "Rewrite this text in the present tense, changing nothing else:", "Correct any mistakes in this "
                  "text and give it back in full:")
@@ -157,6 +159,7 @@ def fitting_max_model_len(args: argparse.Namespace, workloads: Workloads) -> int
         "batch": args.decode_prompt_len + args.decode_tokens,
         "mixed": args.prompt_len_range[1] + args.output_len_range[1],
         "small": 16 + 16,
+        "host": 16,  # its own engine, on its own tiny checkpoint
         "grounded": max(len(r.prompt_ids) + r.max_tokens for r in workloads.grounded),
         "open": max(len(r.prompt_ids) + r.max_tokens for r in workloads.open),
         "shared": max(len(r.prompt_ids) for r in workloads.shared) + args.shared_output_len_range[1],

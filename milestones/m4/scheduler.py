@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.locked: dict[str, Node] = {}  # request id -> the deepest tree node it locks
+        self.locked_tokens: dict[str, int] = {}  # request id -> the tokens from the root to that node
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # tokens needing KV at admission, summed over admissions
         self.num_cached_tokens = 0  # of those, found in the prefix cache
@@ -108,6 +109,7 @@ class Scheduler:
         self.block_manager.share(seq.request_id, blocks)
         self.tree.lock(node)
         self.locked[seq.request_id] = node
+        self.locked_tokens[seq.request_id] = len(blocks) * self.config.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
 
     def _cache(self, seq: Sequence) -> None:
@@ -115,16 +117,16 @@ class Scheduler:
         if self.tree is None:
             return
         num_blocks = seq.num_computed_tokens // self.config.block_size
-        locked = self.locked[seq.request_id]
-        if num_blocks * self.config.block_size <= sum(len(n.tokens) for n in _path(locked)):
-            return  # nothing new since the last insert
+        if num_blocks * self.config.block_size <= self.locked_tokens[seq.request_id]:
+            return  # nothing new since the last insert (checked every step: kept, not walked up the tree)
         table = self.block_manager.block_tables[seq.request_id]
         node, adopted = self.tree.insert(seq.token_ids[: num_blocks * self.config.block_size], table[:num_blocks])
         for block in adopted:
             self.block_manager.hold(block)
         self.tree.lock(node)
-        self.tree.unlock(locked)
+        self.tree.unlock(self.locked[seq.request_id])
         self.locked[seq.request_id] = node
+        self.locked_tokens[seq.request_id] = num_blocks * self.config.block_size
 
     def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
         """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
@@ -151,6 +153,7 @@ class Scheduler:
         self.block_manager.free(seq.request_id)
         if seq.request_id in self.locked:
             self.tree.unlock(self.locked.pop(seq.request_id))
+            del self.locked_tokens[seq.request_id]
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
@@ -191,6 +194,10 @@ class Scheduler:
                 "requests in self.locked (plus its own 1): each locks the node it keeps there once (tree.lock), and "
                 "unlocks it once when it moves its lock or lets go"
             )
+            for request_id, node in self.locked.items():
+                assert sum(len(n.tokens) for n in _path(node)) == self.locked_tokens[request_id], (
+                    f"request {request_id!r}: locked_tokens is not the length of its locked path"
+                )
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from milestones.kernels import DecodeKernel
+from milestones.transfer import HostStaging
 
 from .attention import AttentionContext, KernelBatch
 from .future_map import FutureMap
@@ -54,6 +55,9 @@ class GraphRunner:
         self.context_lens = torch.ones(largest, dtype=torch.long, device=device)
         self.rows = torch.arange(largest, device=device)
         # --8<-- [end:static_buffers]
+        # Host twins of the buffers a step fills: written through numpy, copied up in place (milestones.transfer).
+        self.staging = HostStaging([self.input_ids, self.positions, self.slot_mapping, self.block_tables,
+                                    self.context_lens])
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}  # bucket -> a call that runs the captured step
         self.num_replays = self.num_padded_rows = 0
         self.capture_seconds = 0.0
@@ -101,23 +105,33 @@ class GraphRunner:
         """Pad the batch to its bucket, fill the static buffers, replay; the hidden states of the real rows."""
         num_rows = len(inputs.token_ids)
         size = next(s for s in self.sizes if s >= num_rows)
-        pad, width = size - num_rows, self.block_tables.shape[1]
-        tables = [table + [self.scratch_block] * (width - len(table)) for table in inputs.block_tables]
+        pad = size - num_rows
         self._fill(self.input_ids, size, inputs.token_ids + [0] * pad)
-        future_map.resolve_(self.input_ids[:size])  # tokens the previous step sampled are already on the device
+        if min(inputs.token_ids) < 0:  # future ids: tokens the previous step sampled, already on the device
+            future_map.resolve_(self.input_ids[:size])
         self._fill(self.positions, size, inputs.positions + [0] * pad)
         self._fill(self.slot_mapping, size, inputs.slots + [self.scratch_slot] * pad)  # padding writes to scratch
-        self._fill(self.block_tables, size, tables + [[self.scratch_block] * width] * pad)  # no stale entries
+        self._fill_tables(size, inputs.block_tables)  # every entry past a table, and padding rows': scratch
         self._fill(self.context_lens, size, inputs.context_lens + [1] * pad)  # padding reads one scratch slot
         self.num_replays += 1
         self.num_padded_rows += pad
         return self.replays[size]()[:num_rows]
     # --8<-- [end:run]
 
-    @staticmethod
-    def _fill(buffer: torch.Tensor, size: int, values: list) -> None:
-        """Copy into the static buffer; on CUDA from pinned memory, without waiting for the step before."""
-        buffer[:size].copy_(torch.tensor(values, dtype=buffer.dtype, pin_memory=buffer.is_cuda), non_blocking=True)
+    def _fill(self, buffer: torch.Tensor, size: int, values: list) -> None:
+        """Copy into the first ``size`` rows of the static buffer: through its host twin, without waiting for the step
+        before (on a CPU the twin is the buffer itself)."""
+        self.staging.host(buffer)[:size] = values
+        self.staging.upload(buffer, size)
+
+    def _fill_tables(self, size: int, tables: list[list[int]]) -> None:
+        """Each table from the start of its row, every other entry of the first ``size`` rows the scratch block: a
+        small batch after a large one never reads a stale block."""
+        rows = self.staging.host(self.block_tables)
+        rows[:size] = self.scratch_block
+        for row, table in enumerate(tables):
+            rows[row, : len(table)] = table
+        self.staging.upload(self.block_tables, size)
 
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.sizes[-1]
