@@ -6,10 +6,10 @@ makes a forward worker thread per engine, so it builds again every prefill shape
 This times the small workload's prefill shapes (bfloat16, 9 query heads over 3 KV heads, head_dim 64,
 ``enable_gqa=True``; whole prompts of 4-32 tokens with ``is_causal``, and chunks under a mask as after a prefix-cache
 hit): the first call of each shape on the main thread (cold), its median of 5 calls (warm), the first calls in a
-new thread and in a second one, and again on the main thread. Each mode runs in a process of its own, so that
-every cold call is cold: torch's own choice (cuDNN allowed), cuDNN attention disabled
-(``torch.backends.cuda.enable_cudnn_sdp(False)``), and cuDNN attention only
-(``torch.nn.attention.sdpa_kernel``). The backend torch picks is printed per shape
+new thread (and its warm ones), in a second one on a CUDA stream of its own (as m6's forward worker runs), and
+again on the main thread. Each mode runs in a process of its own, so that every cold call is cold: torch's own
+choice (cuDNN allowed), cuDNN attention disabled (``torch.backends.cuda.enable_cudnn_sdp(False)``), and cuDNN
+attention only (``torch.nn.attention.sdpa_kernel``). The backend torch picks is printed per shape
 (``torch._fused_sdp_choice``), and on CUDA the kernels a warm call launched (torch.profiler).
 
 Written into OUT/sdpa.txt and OUT/sdpa.json. On a CPU (the rehearsal) the cuDNN-only mode is skipped, with a line.
@@ -103,9 +103,16 @@ def run_mode(mode: str, device: str) -> ModeResult:
         with mode_context(mode):
             return {name: statistics.median(call(name) for _ in range(5)) if warm else call(name) for name in inputs}
 
-    def in_new_thread(phases: list[bool]) -> list[dict[str, float]]:
+    def in_new_thread(phases: list[bool], own_stream: bool = False) -> list[dict[str, float]]:
+        """The phases (warm or cold) in a new thread; on CUDA with ``own_stream`` on a stream of its own, as m6's
+        forward worker runs."""
         found: list = []
-        thread = threading.Thread(target=lambda: found.extend(phase(warm) for warm in phases))
+
+        def work() -> None:
+            with torch.cuda.stream(torch.cuda.Stream()) if own_stream and device == "cuda" else nullcontext():
+                found.extend(phase(warm) for warm in phases)
+
+        thread = threading.Thread(target=work)
         thread.start()
         thread.join()
         return found
@@ -124,7 +131,7 @@ def run_mode(mode: str, device: str) -> ModeResult:
     del inputs["first"], backend["first"]
     ms = dict(zip(PHASES[:2], [phase(False), phase(True)]))
     ms.update(zip(PHASES[2:4], in_new_thread([False, True])))
-    ms[PHASES[4]] = in_new_thread([False])[0]
+    ms[PHASES[4]] = in_new_thread([False], own_stream=True)[0]
     ms[PHASES[5]] = phase(False)
     kernels = warm_kernels(call, SHAPES[0].name) if device == "cuda" else []
     return ModeResult(mode, first, backend, kernels, ms, "; ".join(f"{k}: {e}" for k, e in errors.items()) or None)
