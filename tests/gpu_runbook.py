@@ -19,6 +19,7 @@ python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 again
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
 python3 -m tests.gpu_runbook tests OUT --group attention  # one attention call per layer against the loop
 python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m5 and m5@eager; the small workload thrice
+python3 -m tests.gpu_runbook bench OUT --group host    # the engine's own work per step: a tiny model, batch 1-64
 python3 -m tests.gpu_runbook bench OUT --group 8b      # m6 against m6@sync on Llama-3.1-8B's shape (--layers N)
 python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers, in one run
 python3 -m tests.gpu_runbook bench OUT --group speculative  # m7's guesses (ngram, a draft) against m6, batch 1
@@ -97,9 +98,10 @@ SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--ou
 # ``all``'s weights, in its order (issue 55, item 7): the questions first (where a step's 4-5 ms go; whether a new
 # thread pays again for attention's first calls), then the checks, the graphs and overlap lessons, the 8B shape where
 # overlap can pay, the comparison with transformers, speculation, and the eager rows, which have no target, last and
-# short. They add up to 520 s: ``--budget 530`` fits a 600 s command, and a 15-minute loan keeps minutes to rerun a
-# step. The profile (three engines, nine scenarios of three passes) and the diagnostic (three processes) are guesses
-# until a GPU has run them; the tests took 95 s side by side on the H100.
+# short. They add up to 550 s, each share scaled to ``--budget 530``: that fits a 600 s command, and a 15-minute loan
+# keeps minutes to rerun a step. The host group (30 s) is the engine's own work per step. The profile (three engines,
+# nine scenarios of three passes) and the diagnostic (three processes) are guesses until a GPU has run them; the tests
+# took 95 s side by side on the H100.
 PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 70, 20, 100
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 EIGHT_B_LAYERS = 32  # the whole of Llama-3.1-8B: 16 GB a step, 3.3 ms on an H200 and 4.9 on an H100, like the host's
@@ -110,6 +112,10 @@ BENCH_GROUPS = {  # in ``all``'s order
     # in the last row than in the first three, and three say whether a first pass pays once.
     "graphs": BenchGroup("m6@sync,m6,m5,m5@eager", "decode,batch,small",
                          ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 80),
+    # The engine's own work per step (issue 55's host-time row): a tiny checkpoint, so a step is almost all host time;
+    # m1 at batch 1 only. Each row loads, captures three sizes and times 64 steps each: seconds on a GPU.
+    "host": BenchGroup("m1,m5,m6@sync,m6", "host", ("--host-batch-sizes", "1,8,64", "--host-steps", "64"), 30,
+                       cpu_engines="m1,m6@sync+eager"),
     # Overlap where the device's time per step is like the host's (~4 ms): Llama-3.1-8B's shape, made on the GPU, and
     # loaded once per row (the milestones stage it in float32 on the device: 48 GB at peak). Estimated, not yet run:
     # 10-30 s to make it, 10-20 s a load, seconds for the rows.
@@ -129,7 +135,7 @@ BENCH_GROUPS = {  # in ``all``'s order
 CPU_REHEARSAL_FLAGS = ("--runs", "1", "--threads", "1", "--decode-tokens", "4", "--decode-prompt-len", "8",
                        "--batch-sizes", "2", "--num-requests", "3", "--prompt-len-range", "4,12",
                        "--output-len-range", "2,6", "--hf-batch-size", "2", "--m1-requests", "3",
-                       "--chat-requests", "2", "--draft-layers", "1")
+                       "--chat-requests", "2", "--draft-layers", "1", "--host-batch-sizes", "1,2", "--host-steps", "4")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
