@@ -36,8 +36,8 @@ from .step import DecodeInputs, ModelInputs, PromptLogprobRows, SamplingRow, Sch
 
 class ModelRunner:
     """Two threads use it: the host calls ``prepare`` (with ``prepare_inputs`` and ``decode_inputs``), the forward
-    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, the graph runner, the
-    sampler, the future map's ``resolve_`` and ``store``)."""
+    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, ``ragged_batch``, the
+    graph runner, the sampler, the future map's ``resolve_`` and ``store``)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
         self.config = config
