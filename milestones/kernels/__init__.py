@@ -10,8 +10,8 @@
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
 
 The compiled kernels apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them
-where they apply and work, batched attention on CUDA, and the plain-torch reference otherwise. The milestones' own
-code is the reference: every fast path is checked against it (tests/kernels).
+where they apply and work, batched attention on CUDA, and the plain-torch reference otherwise.
+The milestones' own code is the reference: every fast path is checked against it (tests/kernels).
 """
 
 from __future__ import annotations
