@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -304,21 +303,3 @@ def test_a_mixed_step_attends_once_per_layer(tiny_model_path, monkeypatch):
     assert any(len(s) > 2 and s[0] == 1 and s[-1] > 1 for s in steps), f"no step mixed decodes and chunks: {steps}"
     assert len(calls) == num_layers * len(steps), f"{len(calls)} attention calls in {len(steps)} steps"
 
-
-def test_cpu_timing_of_a_mixed_step(report):
-    """Not a check: one mixed step's attention, batched (padded) and request by request, timed for the record."""
-    step = paged_step([(64, 200)] + [(1, length) for length in range(40, 600, 40)], torch.float32)
-    spans, tables = step.spans, torch.tensor(step.block_tables)
-    ctx = AttentionContext(step.k_cache, step.v_cache, step.slot_mapping, tables, spans)
-    timings = {}
-    for name in ("per request", "padded", "per request", "padded"):  # twice each, taking turns; the second kept
-        start = time.perf_counter()
-        for _ in range(10):
-            if name == "padded":
-                ctx.ragged_batch = BatchedAttention("padded", None)(
-                    [s.end - s.start for s in spans], [s.context_len for s in spans], [s.first for s in spans], tables,
-                    step.k_cache.shape[3])
-            attention(step.q, step.k, step.v, 0, ctx)
-        timings[name] = (time.perf_counter() - start) / 10 * 1e3
-    report("batched attention, one layer of a mixed step on this CPU (a chunk of 64 and 14 decodes, 9/3 heads of 64, "
-           f"{torch.get_num_threads()} threads): " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timings.items()))
