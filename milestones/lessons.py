@@ -210,7 +210,8 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "each token going to its request's KV slot (batch.kv_slots), with one `RequestSpan(row, row "
                        "+ num_new, slot, num_computed_tokens + num_new)` per request (row: its first row). With "
                        "self.decode_kernel set, the spans of requests with one new token go to a list of decodes "
-                       "instead, and `ctx.kernel_batch = self.kernel_batch(decodes)`. A request whose chunk reaches "
+                       "instead, and `ctx.kernel_batch = self.kernel_batch(decodes)`; with self.batched_attention "
+                       "set, `ctx.ragged_batch = self.ragged_batch(spans)`. A request whose chunk reaches "
                        "the end of its tokens samples from its last row (sample_rows, and its seq in sample_seqs). "
                        "Every request adds `PromptLogprobRows.of(seq, row, start, end)` to prompt_rows. "
                        "Return `ModelInputs(input_ids, positions, ctx, sample_rows, sample_seqs)` with "
@@ -218,7 +219,9 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "lists of numbers made tensors with self._tensor."),
               Exercise("attention.py", "attention", ("attention",),
                        "with `k_cache = ctx.k_cache[layer]` (and v), write the new keys and values first, "
-                       "`k_cache[ctx.token_slots, :, ctx.positions] = k`. If ctx.kernel_batch is set, its rows are "
+                       "`k_cache[ctx.token_slots, :, ctx.positions] = k`. If ctx.ragged_batch is set (batched "
+                       "attention, CUDA's speed-up), return `ctx.ragged_batch(q, k_cache, v_cache)`, the whole step "
+                       "in one call. If ctx.kernel_batch is set, its rows are "
                        "`batch.kernel(q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, "
                        "head_dim ** -0.5)`. Each span of ctx.requests attends over its own slot's first context_len "
                        "positions, `k_cache[span.kv_slot, :, : span.context_len]`, with decode_attention for one "
@@ -249,8 +252,9 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "is where its blocks start among the tables gathered before it, in tokens",
              (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
                        "as in m2 (ids, positions, the rows that sample and score the prompt, decodes to "
-                       "self.kernel_batch when "
-                       "self.decode_kernel is set), but token p goes to slot "
+                       "self.kernel_batch when self.decode_kernel is set, and `ctx.ragged_batch = "
+                       "self.ragged_batch(requests, ctx.block_tables)` when self.batched_attention is set), but token "
+                       "p goes to slot "
                        "`table[p // block_size] * block_size + p % block_size`, and each request's "
                        "`RequestSpan(start, end, table[: -(-end // block_size)], end)` carries its table cut to its "
                        "context. ctx.block_tables is the tables of ctx.requests one after the other; each of those "

@@ -21,6 +21,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "auto": ("attention_backend", "auto"),
     "torch": ("attention_backend", "torch"),
     "cpp": ("attention_backend", "cpp"),
+    "batched": ("attention_backend", "batched"),  # every request of an eager step in one call (CUDA's auto)
     "linear-auto": ("linear_backend", "auto"),
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),

@@ -3,20 +3,22 @@
 * ``attention_backend`` (every milestone): decode attention for every decoding request
   of a step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
   op ``milestones::decode_attention``, over a KV cache in 2 MiB pages
-  (``kv_cache_zeros``); "torch" keeps the lesson's own attention and plain zeros.
+  (``kv_cache_zeros``); "torch" keeps the lesson's own attention and plain zeros. On CUDA,
+  "batched" (``batched_attention.py``): every request of an eager step in one call per layer.
 * ``linear_backend`` (every milestone): linear layers through a compiled kernel over
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
 
-Both apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them where
-they apply and work, and the plain-torch reference otherwise. The milestones' own
-code is the reference: every fast path is checked against it (tests/kernels).
+The compiled kernels apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them
+where they apply and work, batched attention on CUDA, and the plain-torch reference otherwise.
+The milestones' own code is the reference: every fast path is checked against it (tests/kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .batched_attention import BatchedAttention, RaggedBatch, batched_attention_for
 from .decode_attention import DTYPES as ATTENTION_DTYPES
 from .decode_attention import DecodeKernel, decode_kernel_for, kv_cache_zeros, load_decode_kernel
 from .linear_layers import pack_linear_layers_for, swap_linear_layers
@@ -24,13 +26,15 @@ from .packed_linear import PackedLinear, onednn_available
 from .panel_linear import DTYPES as PANEL_DTYPES
 from .panel_linear import PanelLinear
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpp")  # auto: the compiled kernel where it applies and builds, else torch
+# auto: the compiled kernel where it applies and builds, batched on CUDA, else torch; batched: anywhere (its plain-torch
+# layout on a CPU, for checking it)
+ATTENTION_BACKENDS = ("auto", "torch", "cpp", "batched")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, else torch
 
 __all__ = [
-    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "DecodeKernel", "PackedLinear", "PanelLinear", "check_attention_backend",
-    "check_linear_backend", "decode_kernel_for", "kv_cache_zeros", "load_decode_kernel", "onednn_available",
-    "pack_linear_layers_for", "swap_linear_layers",
+    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "BatchedAttention", "DecodeKernel", "PackedLinear", "PanelLinear",
+    "RaggedBatch", "batched_attention_for", "check_attention_backend", "check_linear_backend", "decode_kernel_for",
+    "kv_cache_zeros", "load_decode_kernel", "onednn_available", "pack_linear_layers_for", "swap_linear_layers",
 ]
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:

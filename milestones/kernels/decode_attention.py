@@ -53,7 +53,7 @@ def decode_kernel_for(backend: str, device: torch.device, dtype: torch.dtype) ->
     ``"auto"`` falls back to torch with a warning when the kernel cannot be built
     (no compiler, say); ``"cpp"`` turns that into an error.
     """
-    if backend == "torch" or device.type != "cpu" or dtype not in DTYPES:
+    if backend in ("torch", "batched") or device.type != "cpu" or dtype not in DTYPES:
         return None  # the engine's config already refused "cpp" where it cannot run
     try:
         return load_decode_kernel()

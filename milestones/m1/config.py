@@ -18,7 +18,8 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None: the model's own limit
     seed: int = 0  # seeds the requests that bring no seed of their own
     linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
-    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32/bf16; "auto"
+    attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
+    #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""

@@ -20,7 +20,8 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
     seed: int = 0  # seeds the requests that bring no seed of their own
     linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
-    attention_backend: str = "auto"  # decode attention: "torch" (the reference); "cpp": compiled, CPU fp32/bf16; "auto"
+    attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
+    #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
     max_num_seqs: int = 16  # requests running at once (each owns a KV slot of max_model_len)
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
 

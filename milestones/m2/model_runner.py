@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.transfer import to_device
 
-from .attention import AttentionContext, KernelBatch, RequestSpan
+from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler, ranked_logprobs
@@ -42,6 +42,9 @@ class ModelRunner:
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
         # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
+        # And on CUDA: every request of a step in one attention call (None: request by request, as attention.py reads).
+        self.batched_attention = batched_attention_for(config.attention_backend, config.device, config.dtype,
+                                                       model_config)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -103,6 +106,8 @@ class ModelRunner:
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), requests)
         if decodes:
             ctx.kernel_batch = self.kernel_batch(decodes)
+        if self.batched_attention is not None:
+            ctx.ragged_batch = self.ragged_batch(requests)
         return ModelInputs(self._tensor(input_ids), ctx.positions, ctx, sample_rows, sample_seqs,
                            prompt_rows)
     # --8<-- [end:prepare_inputs]
@@ -112,6 +117,13 @@ class ModelRunner:
         rows = self._tensor([span.start for span in decodes])
         block_tables = self._tensor([[span.kv_slot] for span in decodes])
         return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
+
+    def ragged_batch(self, spans: list[RequestSpan]) -> RaggedBatch:
+        """Every request as one call of batched attention, each slot seen as one block of max_model_len."""
+        max_len = self.config.max_model_len
+        return self.batched_attention([span.end - span.start for span in spans], [span.context_len for span in spans],
+                                      [i * max_len for i in range(len(spans))],
+                                      self._tensor([span.kv_slot for span in spans]), max_len)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.transfer import to_device
 
-from .attention import AttentionContext, KernelBatch, RequestSpan, paged_decode_attention
+from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
 from .config import EngineConfig
 from .future_map import FutureMap
 from .graph_runner import GraphRunner
@@ -36,8 +36,8 @@ from .step import DecodeInputs, ModelInputs, PromptLogprobRows, SamplingRow, Sch
 
 class ModelRunner:
     """Two threads use it: the host calls ``prepare`` (with ``prepare_inputs`` and ``decode_inputs``), the forward
-    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, the graph runner, the
-    sampler, the future map's ``resolve_`` and ``store``)."""
+    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, ``ragged_batch``, the
+    graph runner, the sampler, the future map's ``resolve_`` and ``store``)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path) -> None:
         self.config = config
@@ -68,6 +68,9 @@ class ModelRunner:
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
         # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
+        # And on CUDA: every request of a step in one attention call (None: request by request, as attention.py reads).
+        self.batched_attention = batched_attention_for(config.attention_backend, config.device, config.dtype,
+                                                       model_config)
         self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
         self.num_eager_steps = 0
 
@@ -174,6 +177,8 @@ class ModelRunner:
                                self._tensor(inputs.block_tables), inputs.requests)
         if inputs.decodes:
             ctx.kernel_batch = self.kernel_batch(inputs.decodes)
+        if self.batched_attention is not None:
+            ctx.ragged_batch = self.ragged_batch(inputs.requests, ctx.block_tables)
         return input_ids, self._tensor(inputs.positions), ctx
     # --8<-- [end:prepare_inputs]
 
@@ -215,6 +220,11 @@ class ModelRunner:
         width = max(len(span.block_table) for span in decodes)  # tables padded with block 0, never read
         block_tables = self._tensor([span.block_table + [0] * (width - len(span.block_table)) for span in decodes])
         return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
+
+    def ragged_batch(self, spans: list[RequestSpan], block_tables: torch.Tensor) -> RaggedBatch:
+        """Every request as one call of batched attention, which reads their blocks through their tables."""
+        return self.batched_attention([span.end - span.start for span in spans], [span.context_len for span in spans],
+                                      [span.first for span in spans], block_tables, self.config.block_size)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

@@ -12,7 +12,8 @@ This is plain torch, correct on CPU and CUDA. A real paged-attention kernel
 (vLLM's) reads the blocks in place instead of copying them, and so does the
 compiled decode kernel (a CPU speed-up from ``milestones.kernels``) when it is on:
 the decoding requests go to it with their block tables, and only the requests left
-to the torch path are gathered.
+to the torch path are gathered. On CUDA another speed-up from there, batched attention,
+takes every request of the step in one call through their block tables.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from milestones.kernels import DecodeKernel
+from milestones.kernels import DecodeKernel, RaggedBatch
 
 
 # --8<-- [start:context]
@@ -36,6 +37,7 @@ class AttentionContext:
     block_tables: torch.Tensor  # the block tables of ``requests``, one after the other, gathered in one copy
     requests: list[RequestSpan]  # the requests that attention goes through one by one
     kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
+    ragged_batch: RaggedBatch | None = None  # all of ``requests`` at once, when batched attention attends to them
 
 
 @dataclass(slots=True)
@@ -71,6 +73,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     # view of it becomes a copy of the layer's whole cache at every step (a replay: 10 -> 39 ms).
     k_cache[:, blocks, offsets] = k.transpose(0, 1)
     v_cache[:, blocks, offsets] = v.transpose(0, 1)
+    if ctx.ragged_batch is not None:  # one call for the whole step, reading the blocks through the block tables
+        return ctx.ragged_batch(q, k_cache.transpose(0, 1), v_cache.transpose(0, 1))
     out = torch.empty_like(q)
     if (batch := ctx.kernel_batch) is not None:  # the kernel reads the blocks where they are
         scale = q.shape[-1] ** -0.5
