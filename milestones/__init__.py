@@ -25,8 +25,8 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
     "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "sampler.py",
-           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "step.py"},
+           "sequence.py", "scheduler.py", "worker.py", "future_map.py", "step.py", "rollback.py"},
     # speculative decoding: a proposer, guesses checked as a chunk with a sample row each, rejected ones rolled back
     "m7": {"__init__.py", "config.py", "engine.py", "scheduler.py", "sequence.py", "model_runner.py", "step.py",
-           "sampler.py", "block_manager.py", "proposer.py", "drafter.py"},
+           "sampler.py", "block_manager.py", "proposer.py", "drafter.py", "rollback.py", "speculation.py"},
 }

@@ -403,8 +403,8 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "the same code without the lag, to tell the two apart",
              (Exercise("engine.py", "process", ("LLMEngine._process",),
                        "`output = self.worker.result(launched.number)` (a StepOutput); if that raises anything "
-                       "(except BaseException: a failed step, or Ctrl-C), `self._roll_back(launched)` and raise it "
-                       "again. Then `start = self.tracer.now()`, `self.num_steps += 1`; each of launched.seqs still "
+                       "(except BaseException: a failed step, or Ctrl-C), `roll_back(launched, self.pending)`, "
+                       "`self.pending = None`, and raise it again. Then `start = self.tracer.now()`, `self.num_steps += 1`; each of launched.seqs still "
                        "RUNNING gets `num_processed_tokens` = its entry of launched.num_computed_after (a preempted "
                        "or finished one's blocks are no longer its own), and, if output.prompt_logprobs has its "
                        "request id, `seq.add_prompt_logprobs(before + 1, those scores)` (before: its entry of "
@@ -413,7 +413,7 @@ LESSONS: dict[str, tuple[Step, ...]] = {
                        "finished (its token is dropped); else append the token's logprobs, if any, to "
                        "seq.output_logprobs, `self._accept_token(seq, index, sampled.token_id)`, and if that finished "
                        "it, "
-                       "`self._drop_pending_tokens(seq)` and `self.scheduler.finish(seq)`; append "
+                       "`drop_pending_tokens(seq)` and `self.scheduler.finish(seq)`; append "
                        "`RequestOutput.from_sequence(seq)`. Record `self.tracer.record(\"process\", start, "
                        "launched.number, len(launched.seqs))` and return the outputs; before that, the samples a "
                        "request with n > 1 held back go to the scheduler "
@@ -438,14 +438,13 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "a row's token counts only if every guess before it was the model's own pick; after a rejected one, "
              "drop the later rows' tokens, their KV (num_computed_tokens) and the blocks past the kept tokens, "
              "and halve the lookahead; a kept guess raises it by one, up to num_speculative_tokens",
-             (Exercise("engine.py", "guesses", ("LLMEngine._check_guess",),
+             (Exercise("speculation.py", "check", ("Speculator.check",),
                        "token is the model's pick where the next row read guess. If they are equal, the guess is "
-                       "kept: add one to `seq.metrics.num_accepted_tokens` and to "
-                       "`self.scheduler.num_accepted_tokens`, and raise seq.num_lookahead by one, to at most "
-                       "`self.config.speculative_config.num_speculative_tokens`. If not, the rows after it read a "
-                       "wrong token: `self._drop_pending_tokens(seq)` (their tokens and KV), "
+                       "kept: add one to `seq.metrics.num_accepted_tokens` and to `self.num_accepted_tokens`, and "
+                       "raise seq.num_lookahead by one, to at most `self.config.num_speculative_tokens`. If not, the "
+                       "rows after it read a wrong token: `drop_pending_tokens(seq)` (their tokens and KV), "
                        "`self.scheduler.trim(seq)`, and halve seq.num_lookahead, to at least "
-                       "`self.scheduler.proposer.min_lookahead`."),
+                       "`self.proposer.min_lookahead`."),
               Exercise("block_manager.py", "shrink", ("BlockManager.shrink",),
                        "pop blocks off the end of the request's table while it has more than "
                        "`self.blocks_needed(num_tokens)`, each let go with `self.release(block)` (another holder "

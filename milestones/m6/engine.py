@@ -35,6 +35,7 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .parallel_sampling import ParentRequest, ParentRequests
 from .prompts import Prompt, eos_token_ids, tokenize_prompt
+from .rollback import drop_pending_tokens, roll_back
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -128,7 +129,6 @@ class LLMEngine:
             request_id = str(next(self._ids))
         return request_id
 
-
     # --8<-- [start:step]
     @serialized
     def step(self) -> list[RequestOutput]:
@@ -171,7 +171,8 @@ class LLMEngine:
         try:
             output = self.worker.result(launched.number)
         except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
-            self._roll_back(launched)
+            roll_back(launched, self.pending)
+            self.pending = None
             raise
         start = self.tracer.now()
         self.num_steps += 1
@@ -188,7 +189,7 @@ class LLMEngine:
                 seq.output_logprobs.append(sampled.logprobs)
             self._accept_token(seq, index, sampled.token_id)
             if seq.is_finished:
-                self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
+                drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)
             outputs.append(RequestOutput.from_sequence(seq))
         for seq in self.parents.release_held(outputs):  # m4: the first sample's prompt is computed
@@ -217,28 +218,6 @@ class LLMEngine:
             seq.finish("length")
     # --8<-- [end:stop_rules]
 
-    @staticmethod
-    def _drop_pending_tokens(seq: Sequence) -> None:
-        """Forget the tokens of steps still in flight, and the KV they compute, as if they were never launched."""
-        del seq.token_ids[seq.num_tokens - seq.num_pending_tokens :]
-        seq.num_pending_tokens = 0
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-
-    def _roll_back(self, failed: LaunchedStep) -> None:
-        """A step raised, or the wait for it was interrupted: undo what launching it, and the steps after it, booked.
-
-        The worker may still be computing those steps. It finishes them before anything launched from now on (it
-        keeps launch order), and ``result`` throws their results away."""
-        steps = [failed] if self.pending is None else [failed, self.pending]
-        self.pending = None
-        for launched in reversed(steps):
-            for seq, computed in zip(launched.seqs, launched.num_computed_before):
-                if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens = computed
-            for seq, index in zip(launched.sample_seqs, launched.token_indices):
-                seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
-                del seq.token_ids[index:]
-
     @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request now (each sample of one with n > 1); its partial output is returned."""
@@ -252,7 +231,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish("abort")
-        self._drop_pending_tokens(seq)
+        drop_pending_tokens(seq)
         self.scheduler.finish(seq)
         return RequestOutput.from_sequence(seq)
 

@@ -46,9 +46,9 @@ class DraftView:
 
 # --8<-- [start:draft_model]
 class DraftModelProposer:
-    """The draft model and its runner (eager: its steps change shape every time), driven by the scheduler."""
+    """The draft model and its runner (eager: its steps change shape every time). Its keys and values sit in the
+    requests' blocks: the scheduler caches a block once both models wrote it."""
 
-    holds_kv = True  # its keys and values sit in the requests' blocks: a block is cached once both models wrote it
     min_lookahead = 0  # each guess costs a forward of the draft: a request whose guesses fail stops guessing
 
     def __init__(self, config: EngineConfig, tokenizer, target: ModelConfig) -> None:

@@ -7,8 +7,9 @@
 disturb the requests already running. Calls from several threads take turns on
 the engine's lock (``LLM.generate`` holds it for its whole run).
 
-m7: with ``speculative_config`` a step also checks guesses of a request's next tokens, a
-row each; ``_check_guess`` keeps the rows whose guess the model agreed with: m6's tokens.
+m7: with ``speculative_config`` a step has one more phase, before launching: the proposer
+guesses each request's next tokens into room the scheduler kept, the step checks them a row
+each (``speculation.py``), and the rows whose guess the model agreed with count: m6's tokens.
 
 m6: with ``async_scheduling`` a step is launched on the forward worker and processed
 one ``step()`` later, after the next one has been scheduled and launched: the host's
@@ -39,9 +40,11 @@ from .model_runner import ModelRunner
 from .outputs import RequestOutput
 from .parallel_sampling import ParentRequest, ParentRequests
 from .prompts import Prompt, eos_token_ids, tokenize_prompt
+from .rollback import drop_pending_tokens, roll_back
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .speculation import Speculator
 from .step import LaunchedStep, ScheduledBatch
 from .structured_output import StructuredOutputManager
 from .worker import ForwardWorker
@@ -66,7 +69,9 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_token_ids = eos_token_ids(path)
         self.runner = ModelRunner(self.config, self.model_config, path)
-        self.scheduler = Scheduler(self.config, make_proposer(self.config, self.tokenizer, self.model_config))
+        self.scheduler = Scheduler(self.config)
+        proposer = make_proposer(self.config, self.tokenizer, self.model_config)  # m7: None without speculation
+        self.speculator = Speculator(proposer, self.scheduler, self.config.speculative_config)
         self._seeds = random.Random(self.config.seed)
         self._ids = itertools.count()
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -138,6 +143,8 @@ class LLMEngine:
         """Schedule and launch step N+1, then process step N: the host's work while N+1 computes."""
         start = self.tracer.now()
         batch = self.scheduler.schedule()  # with overlap: while step N is still computing
+        if batch is not None and batch.guess_rooms:
+            self.speculator.propose(batch)  # m7: guesses fill the room the scheduler kept for them
         ongoing = self._launch(batch, start) if batch is not None else None
         if self.config.async_scheduling:
             last, self.pending = self.pending, ongoing  # the lag: this call processes the step launched by the last
@@ -176,7 +183,8 @@ class LLMEngine:
         try:
             output = self.worker.result(launched.number)
         except BaseException:  # the step raised, or the wait for it was interrupted (Ctrl-C)
-            self._roll_back(launched)
+            roll_back(launched, self.pending, self.scheduler)
+            self.pending = None
             raise
         start = self.tracer.now()
         self.num_steps += 1
@@ -194,10 +202,10 @@ class LLMEngine:
                 seq.output_logprobs.append(sampled.logprobs)
             self._accept_token(seq, index, sampled.token_id)
             if seq.is_finished:
-                self._drop_pending_tokens(seq)  # the step in flight computes one token too many for it
+                drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)
             elif guess is not None:
-                self._check_guess(seq, sampled.token_id, guess)
+                self.speculator.check(seq, sampled.token_id, guess)
             changed[seq.request_id] = seq
         outputs = [RequestOutput.from_sequence(seq) for seq in changed.values()]
         for seq in self.parents.release_held(outputs):  # m4: the first sample's prompt is computed
@@ -226,44 +234,6 @@ class LLMEngine:
             seq.finish("length")
     # --8<-- [end:stop_rules]
 
-    # --8<-- [start:guesses]
-    def _check_guess(self, seq: Sequence, token: int, guess: int) -> None:
-        """m7: the pick agrees with the guess the next row read (that row counts), or the rows after are void."""
-        if token == guess:
-            seq.metrics.num_accepted_tokens += 1
-            self.scheduler.num_accepted_tokens += 1
-            seq.num_lookahead = min(seq.num_lookahead + 1, self.config.speculative_config.num_speculative_tokens)
-        else:
-            self._drop_pending_tokens(seq)
-            self.scheduler.trim(seq)  # blocks only rejected guesses reached go back to the pool
-            seq.num_lookahead = max(self.scheduler.proposer.min_lookahead, seq.num_lookahead // 2)  # less, or none
-    # --8<-- [end:guesses]
-
-    @staticmethod
-    def _drop_pending_tokens(seq: Sequence) -> None:
-        """Forget the tokens of steps still in flight, and the KV they compute, as if they were never launched."""
-        del seq.token_ids[seq.num_tokens - seq.num_pending_tokens :]
-        seq.num_pending_tokens = 0
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        seq.num_processed_tokens = min(seq.num_processed_tokens, seq.num_computed_tokens)
-
-    def _roll_back(self, failed: LaunchedStep) -> None:
-        """A step raised, or the wait for it was interrupted: undo what launching it, and the steps after it, booked.
-
-        The worker may still be computing those steps. It finishes them before anything launched from now on (it
-        keeps launch order), and ``result`` throws their results away."""
-        steps = [failed] if self.pending is None else [failed, self.pending]
-        self.pending = None
-        for launched in reversed(steps):
-            for seq, computed in zip(launched.seqs, launched.num_computed_before):
-                if seq.status is SequenceStatus.RUNNING:
-                    seq.num_computed_tokens = computed
-            for seq, index in zip(launched.sample_seqs, launched.token_indices):
-                if index < seq.num_tokens:  # m7: a request's first row undoes its later ones too
-                    seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
-                    del seq.token_ids[index:]
-                    self.scheduler.trim(seq)  # m7: the blocks grown for its guesses
-
     @serialized
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a waiting or running request now (each sample of one with n > 1); its partial output is returned."""
@@ -277,7 +247,7 @@ class LLMEngine:
         if seq is None:
             return None
         seq.finish("abort")
-        self._drop_pending_tokens(seq)
+        drop_pending_tokens(seq)
         self.scheduler.finish(seq)
         return RequestOutput.from_sequence(seq)
 
@@ -310,7 +280,7 @@ class LLMEngine:
     @serialized
     def spec_stats(self) -> dict[str, int | float]:
         """m7: guesses made and kept, and the tokens a request gained in a step that checked guesses, on average."""
-        return self.scheduler.spec_stats()
+        return self.speculator.stats()
 
     @serialized
     def kv_usage(self) -> dict[str, int | float]:

@@ -5,7 +5,8 @@ or edits a given text repeats it, so the tokens that followed the last time the
 request's latest few tokens appeared are a good guess for what follows now. A guess
 costs no forward pass; the target model checks every guessed token of a request in one
 step, and a wrong guess costs only the extra rows of that step. ``drafter.py`` has the
-other proposer, a smaller model; the scheduler asks either through ``propose_batch``.
+other proposer, a smaller model; the engine asks either through ``propose_batch``
+(``speculation.py``), into the room the scheduler kept.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ class NgramProposer:
         return []
 # --8<-- [end:ngram]
 
-    holds_kv: ClassVar[bool] = False  # it runs no model: there are no keys and values of its own to keep
     min_lookahead: ClassVar[int] = 1  # a lookup that finds nothing costs nothing: never stop looking
 
     def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:

@@ -24,24 +24,20 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
-from .proposer import NgramProposer, guess_room
+from .proposer import guess_room
 from .radix_tree import Node, RadixTree
 from .sequence import Sequence, SequenceStatus, check_sequences
 from .step import ScheduledBatch
 
 if TYPE_CHECKING:  # only for type hints: the scheduler itself never touches torch
     from .config import EngineConfig
-    from .drafter import DraftModelProposer
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, proposer: NgramProposer | DraftModelProposer | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
-        self.proposer = proposer  # m7: what guesses each request's next tokens (None: nothing does, as in m6)
-        self.num_guessing = self.num_draft_tokens = 0  # m7: requests' steps that check guesses, and the guesses
-        self.num_accepted_tokens = 0  # m7: of those guesses, the ones the model agreed with (the engine counts them)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.locked: dict[str, Node] = {}  # request id -> the deepest tree node it locks
@@ -59,7 +55,8 @@ class Scheduler:
                 f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_blocks}: "
                 "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
             )
-        seq.num_lookahead = self.config.speculative_config.num_speculative_tokens if self.proposer else 0  # m7
+        speculative = self.config.speculative_config  # m7: a request starts guessing as many tokens as it may
+        seq.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -111,33 +108,32 @@ class Scheduler:
             self.num_cached_tokens += seq.num_cached_tokens
             budget -= self._take(batch, seq, num_new)
         # --8<-- [start:guess_or_not]
-        limit = self.config.speculative_config.disable_by_batch_size if self.proposer is not None else None
-        if self.proposer is not None and (limit is None or len(batch.seqs) < limit):  # m7: a busy step guesses nothing
-            self._add_guesses(batch, budget)
+        speculative = self.config.speculative_config
+        limit = speculative.disable_by_batch_size if speculative is not None else None
+        if speculative is not None and (limit is None or len(batch.seqs) < limit):  # m7: a busy step guesses nothing
+            self._keep_guess_room(batch, budget)
         # --8<-- [end:guess_or_not]
         return batch if batch.seqs else None
 
     # --8<-- [start:add_guesses]
-    def _add_guesses(self, batch: ScheduledBatch, budget: int) -> None:
-        """m7: guesses of each decoding request's next tokens, checked by this step with its last one. They get only
-        the budget and free blocks that every request's own tokens left: a guess never delays nor preempts anyone."""
-        chosen, rooms = [], []
+    def _keep_guess_room(self, batch: ScheduledBatch, budget: int) -> None:
+        """m7: room for guesses of each decoding request's next tokens, checked by this step with its last one. They get
+        only the budget and free blocks that every request's own tokens left: a guess never delays nor preempts anyone.
+        The blocks come first: a draft model writes its keys and values in them as it guesses."""
         for i, seq in enumerate(batch.seqs):
             slots = (len(batch.block_tables[i]) + self.block_manager.num_free_blocks) * self.config.block_size
             room = min(guess_room(seq, self.config.max_model_len), budget, slots - seq.num_computed_tokens - 1)
-            if room > 0:  # blocks first: a draft model writes its keys and values in them as it guesses
+            if room > 0:
                 batch.block_tables[i] = self.block_manager.grow(seq.request_id, seq.num_computed_tokens + 1 + room)
-                chosen.append(i)
-                rooms.append(room)
+                batch.guess_rooms[i] = room
                 budget -= room
-        seqs, tables = [batch.seqs[i] for i in chosen], [batch.block_tables[i] for i in chosen]
-        for i, seq, guesses in zip(chosen, seqs, self.proposer.propose_batch(seqs, tables, rooms)):
-            self.block_manager.shrink(seq.request_id, seq.num_computed_tokens + 1 + len(guesses))  # what went unused
-            seq.draft_token_ids = guesses
-            batch.num_new_tokens[i] += len(guesses)
-            seq.metrics.num_draft_tokens += len(guesses)
-            self.num_draft_tokens += len(guesses)
-            self.num_guessing += bool(guesses)
+
+    def add_guesses(self, batch: ScheduledBatch, row: int, guesses: list[int]) -> None:
+        """m7: the request's guesses join the step after its last token; the blocks they left unused go back."""
+        seq = batch.seqs[row]
+        self.block_manager.shrink(seq.request_id, seq.num_computed_tokens + 1 + len(guesses))
+        seq.draft_token_ids = guesses
+        batch.num_new_tokens[row] += len(guesses)
     # --8<-- [end:add_guesses]
 
     def _samples_its_last_token(self, seq: Sequence) -> bool:
@@ -169,7 +165,8 @@ class Scheduler:
         if self.tree is None:
             return
         written = seq.num_processed_tokens
-        if self.proposer is not None and self.proposer.holds_kv:  # m7: a cached block holds both models' KV
+        speculative = self.config.speculative_config
+        if speculative is not None and speculative.method == "draft_model":  # m7: a cached block holds both models' KV
             written = min(written, seq.num_drafted_tokens)
         num_blocks = written // self.config.block_size
         if num_blocks * self.config.block_size <= self.locked_tokens[seq.request_id]:
@@ -191,12 +188,6 @@ class Scheduler:
         self.block_manager.shrink(seq.request_id, seq.num_tokens)
         seq.num_drafted_tokens = min(seq.num_drafted_tokens, seq.num_tokens - 1)
     # --8<-- [end:trim]
-
-    def spec_stats(self) -> dict[str, int | float]:
-        """m7: the guesses made and kept so far, over every request."""
-        return {"num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
-                "acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
-                "mean_tokens_per_step": 1 + self.num_accepted_tokens / max(1, self.num_guessing)}
 
     def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
         """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?

@@ -27,6 +27,7 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
     block_tables: list[list[int]]
+    guess_rooms: dict[int, int] = field(default_factory=dict)  # m7: row -> how many tokens its request may guess
 
 
 # --8<-- [start:model_inputs]

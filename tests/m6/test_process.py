@@ -51,7 +51,7 @@ def step_past_a_stop(engine) -> list:
     except IndexError as error:
         raise AssertionError(
             f"engine.step() raised IndexError ({error}): a step in flight when a request stopped brought it one more "
-            "token, and its place in token_ids is gone (_drop_pending_tokens): _process skips a sample_seq that is "
+            "token, and its place in token_ids is gone (drop_pending_tokens): _process skips a sample_seq that is "
             "already finished, and drops its token"
         ) from error
 
@@ -71,7 +71,7 @@ def test_a_request_that_stops_leaves_at_once_without_the_token_in_flight(llm):
             assert all(t >= 0 for t in out.outputs[0].token_ids), (
                 f"request {out.request_id}'s output holds a future id: _accept_token puts each token in place of "
                 "its future id, and a request that finishes drops the tokens of the step still in flight "
-                "(self._drop_pending_tokens(seq))"
+                "(drop_pending_tokens(seq))"
             )
         if short in outputs and outputs[short].finished:
             break
@@ -80,7 +80,7 @@ def test_a_request_that_stops_leaves_at_once_without_the_token_in_flight(llm):
     want = alone[: stop_at + 1]
     assert seq.output_token_ids == want and outputs[short].outputs[0].token_ids == want, (
         f"the stopped request holds {seq.output_token_ids}, expected {want}: up to its stop token, not the token "
-        "its next step, already launched, computes (self._drop_pending_tokens(seq))"
+        "its next step, already launched, computes (drop_pending_tokens(seq))"
     )
     assert seq.num_pending_tokens == 0, f"the stopped request still counts {seq.num_pending_tokens} pending tokens"
     assert seq not in engine.scheduler.running and short not in engine.scheduler.block_manager.block_tables, (
@@ -120,7 +120,7 @@ def test_a_step_whose_result_raises_is_undone_and_the_error_reaches_the_caller(l
     assert engine.pending is None and seq.num_pending_tokens == 0 and all(t >= 0 for t in seq.token_ids), (
         f"after the failed wait the request holds {seq.token_ids} with {seq.num_pending_tokens} pending tokens "
         "and a step pending: when self.worker.result raises anything (a BaseException too), _process calls "
-        "self._roll_back(launched), which undoes that step and the one launched after it, then raises again"
+        "roll_back(launched, self.pending), which undoes that step and the one launched after it, then raises again"
     )
     assert seq.token_ids == before[0][: len(seq.token_ids)] and seq.num_computed_tokens <= before[1], (
         "the rolled-back steps' tokens and computed tokens are gone"

@@ -82,7 +82,7 @@ def test_each_guess_is_what_the_draft_model_itself_would_say(tiny_model_path, on
     values (a stale one would make it say something else)."""
     proposals = []
     with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(one_layer_draft, k=4)) as llm:
-        proposer = llm.engine.scheduler.proposer
+        proposer = llm.engine.speculator.proposer
         propose = proposer.propose_batch
 
         def recorded(seqs, tables, rooms):

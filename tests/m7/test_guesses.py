@@ -1,4 +1,4 @@
-"""What a checked guess changes, one call at a time: BlockManager.shrink, Scheduler.trim and LLMEngine._check_guess.
+"""What a checked guess changes, one call at a time: BlockManager.shrink, Scheduler.trim and Speculator.check.
 
 The chain compares whole runs with m6, where blocks kept past a rejection or a lookahead that never shrinks give
 the same tokens (the first only leaks until the request ends, the second only costs time). Here each rule is
@@ -82,17 +82,17 @@ def test_trim_shrinks_to_the_tokens_and_counts_the_drafts_keys_back(engine):
 def test_a_kept_guess_is_counted_and_raises_the_lookahead_up_to_num_speculative_tokens(engine):
     engine, seq = engine
     in_flight(engine, seq, 3)
-    before = (list(seq.token_ids), seq.metrics.num_accepted_tokens, engine.scheduler.num_accepted_tokens)
+    before = (list(seq.token_ids), seq.metrics.num_accepted_tokens, engine.speculator.num_accepted_tokens)
     seq.num_lookahead = 2
-    engine._check_guess(seq, 7, 7)
-    assert (seq.metrics.num_accepted_tokens, engine.scheduler.num_accepted_tokens) == (before[1] + 1, before[2] + 1), (
+    engine.speculator.check(seq, 7, 7)
+    assert (seq.metrics.num_accepted_tokens, engine.speculator.num_accepted_tokens) == (before[1] + 1, before[2] + 1), (
         "a kept guess counts once for the request (seq.metrics.num_accepted_tokens) and once for the engine "
-        "(self.scheduler.num_accepted_tokens, which spec_stats reports)"
+        "(self.num_accepted_tokens, which spec_stats reports)"
     )
     assert seq.num_lookahead == 3, f"the lookahead went from 2 to {seq.num_lookahead} on a kept guess, not 3"
     assert seq.token_ids == before[0], "a kept guess changes no token: the rows after it stand"
     seq.num_lookahead = 4
-    engine._check_guess(seq, 7, 7)
+    engine.speculator.check(seq, 7, 7)
     assert seq.num_lookahead == 4, (
         f"the lookahead went from 4 to {seq.num_lookahead}: it rises by one per kept guess up to "
         "num_speculative_tokens (4)"
@@ -104,11 +104,11 @@ def test_a_rejected_guess_voids_the_rows_after_it_trims_and_halves_the_lookahead
     known = list(seq.token_ids)
     in_flight(engine, seq, 4)
     seq.num_lookahead = 4
-    engine._check_guess(seq, 5, 6)
+    engine.speculator.check(seq, 5, 6)
     assert seq.token_ids == known and seq.num_pending_tokens == 0, (
         f"after a rejected guess the request holds {seq.token_ids[len(known) - 1:]} past its known tokens, "
         f"{seq.num_pending_tokens} pending: the rows after it read a wrong token, so their tokens go "
-        "(self._drop_pending_tokens(seq))"
+        "(drop_pending_tokens(seq))"
     )
     assert seq.num_computed_tokens == seq.num_tokens - 1, (
         f"num_computed_tokens is {seq.num_computed_tokens} for {seq.num_tokens} tokens: the rejected rows' keys "
@@ -121,11 +121,11 @@ def test_a_rejected_guess_voids_the_rows_after_it_trims_and_halves_the_lookahead
     )
     assert seq.num_lookahead == 2, (
         f"the lookahead went from 4 to {seq.num_lookahead} on a rejected guess, expected 2: halved, but not below "
-        "self.scheduler.proposer.min_lookahead"
+        "self.proposer.min_lookahead"
     )
     seq.num_lookahead = 1
     in_flight(engine, seq, 2)
-    engine._check_guess(seq, 5, 6)
+    engine.speculator.check(seq, 5, 6)
     assert seq.num_lookahead == 1, (
         f"the lookahead went from 1 to {seq.num_lookahead}: the ngram proposer's min_lookahead is 1, never 0"
     )

@@ -92,7 +92,7 @@ def test_greedy_requests_still_give_m6s_tokens_and_sampled_ones_finish(tiny_mode
     config = NGRAM | {"acceptance": "rejection"}
     with m7.LLM(tiny_model_path, **LIMITS, speculative_config=config) as llm:
         futures = tuple(tuple(p) + tuple(c.token_ids) for p, c in zip(prompts, reference))
-        llm.engine.scheduler.proposer = LenientOracle(1, 1, futures)
+        llm.engine.speculator.proposer = LenientOracle(1, 1, futures)
         ours = run(m7, llm, prompts, settings)
         stats = llm.engine.spec_stats()
     greedy = [i for i, s in enumerate(settings) if s.get("temperature") == 0]

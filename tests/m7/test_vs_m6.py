@@ -42,7 +42,7 @@ def speculating(llm, prompts, reference: list[Completion]):
     """``llm`` (m7) with the oracle proposer in place of the ngram one."""
     futures = tuple(tuple(p) + tuple(sample.token_ids) for p, c in zip(prompts, reference)
                     for sample in (Completion(*c).samples or [c]))  # each of a request's n samples
-    llm.engine.scheduler.proposer = OracleProposer(1, 1, futures)
+    llm.engine.speculator.proposer = OracleProposer(1, 1, futures)
     return llm
 
 
