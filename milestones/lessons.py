@@ -404,8 +404,8 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              (Exercise("engine.py", "process", ("LLMEngine._process",),
                        "`output = self.worker.result(launched.number)` (a StepOutput); if that raises anything "
                        "(except BaseException: a failed step, or Ctrl-C), `roll_back(launched, self.pending)`, "
-                       "`self.pending = None`, and raise it again. Then `start = self.tracer.now()`, `self.num_steps += 1`; each of launched.seqs still "
-                       "RUNNING gets `num_processed_tokens` = its entry of launched.num_computed_after (a preempted "
+                       "`self.pending = None`, and raise it again. Then `start = self.tracer.now()`, "
+                       "`self.num_steps += 1`; each of launched.seqs still RUNNING gets `num_processed_tokens` = its entry of launched.num_computed_after (a preempted "
                        "or finished one's blocks are no longer its own), and, if output.prompt_logprobs has its "
                        "request id, `seq.add_prompt_logprobs(before + 1, those scores)` (before: its entry of "
                        "launched.num_computed_before). For each of launched.sample_seqs, with its entry of "
