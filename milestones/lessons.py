@@ -402,23 +402,22 @@ LESSONS: dict[str, tuple[Step, ...]] = {
              "computed, and gives a request that finishes now its place back at once; async_scheduling=False runs "
              "the same code without the lag, to tell the two apart",
              (Exercise("engine.py", "process", ("LLMEngine._process",),
-                       "`output = self.worker.result(launched.number)` (a StepOutput); if that raises anything "
-                       "(except BaseException: a failed step, or Ctrl-C), `roll_back(launched, self.pending)`, "
-                       "`self.pending = None`, and raise it again. Then `start = self.tracer.now()`, "
-                       "`self.num_steps += 1`; each of launched.seqs still RUNNING gets `num_processed_tokens` = "
-                       "its entry of launched.num_computed_after (a preempted or finished one's blocks are no longer its own), and, if output.prompt_logprobs has its "
-                       "request id, `seq.add_prompt_logprobs(before + 1, those scores)` (before: its entry of "
-                       "launched.num_computed_before). For each of launched.sample_seqs, with its entry of "
-                       "launched.token_indices and its SampledToken in output.sampled: skip a request already "
-                       "finished (its token is dropped); else append the token's logprobs, if any, to "
-                       "seq.output_logprobs, `self._accept_token(seq, index, sampled.token_id)`, and if that finished "
-                       "it, "
-                       "`drop_pending_tokens(seq)` and `self.scheduler.finish(seq)`; append "
-                       "`RequestOutput.from_sequence(seq)`. Record `self.tracer.record(\"process\", start, "
-                       "launched.number, len(launched.seqs))` and return the outputs; before that, the samples a "
-                       "request with n > 1 held back go to the scheduler "
-                       "(`for seq in self.parents.release_held(outputs): self.scheduler.add(seq)`), and the outputs "
-                       "go back through `self.parents.merge(outputs)`."),)),
+                       "`output = self.worker.result(launched.number)` (a StepOutput); if that raises anything (except"
+                       " BaseException: a failed step, or Ctrl-C), `roll_back(launched, self.pending)`, `self.pending "
+                       "= None`, and raise it again. Then `start = self.tracer.now()`, `self.num_steps += 1`; each of "
+                       "launched.seqs still RUNNING gets `num_processed_tokens` = its entry of "
+                       "launched.num_computed_after (a preempted or finished one's blocks are no longer its own), and,"
+                       " if output.prompt_logprobs has its request id, `seq.add_prompt_logprobs(before + 1, those "
+                       "scores)` (before: its entry of launched.num_computed_before). For each of "
+                       "launched.sample_seqs, with its entry of launched.token_indices and its SampledToken in "
+                       "output.sampled: skip a request already finished (its token is dropped); else append the "
+                       "token's logprobs, if any, to seq.output_logprobs, `self._accept_token(seq, index, "
+                       "sampled.token_id)`, and if that finished it, `drop_pending_tokens(seq)` and "
+                       "`self.scheduler.finish(seq)`; append `RequestOutput.from_sequence(seq)`. Record "
+                       "`self.tracer.record(\"process\", start, launched.number, len(launched.seqs))` and return the "
+                       "outputs; before that, the samples a request with n > 1 held back go to the scheduler (`for seq"
+                       " in self.parents.release_held(outputs): self.scheduler.add(seq)`), and the outputs go back "
+                       "through `self.parents.merge(outputs)`."),)),
         contract("m6"),
     ),
     # --8<-- [end:m6]
