@@ -3,8 +3,10 @@
 Each kernel (``decode_attention.cpp``, ``panel_linear.cpp``) is one source file that
 registers its torch ops when loaded. torch builds it with the machine's C++ compiler
 the first time and caches it under ``~/.cache/torch_extensions``; the build's name
-carries a hash of the source, the flags and the CPU, so a changed source, other flags
-or another CPU sharing the cache builds anew.
+carries a hash of the source, the flags, the CPU and the torch installation, so a
+changed source, other flags, another CPU or another environment sharing the cache
+builds anew (two virtual environments sharing one build would each rebuild it in turn,
+since the build's commands name their own torch's headers).
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ def compile_library(source: Path, flags: tuple[str, ...]) -> str:
 
 @functools.cache
 def _compile(source: Path, flags: tuple[str, ...]) -> str:
+    import torch
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # pip's ninja sits next to this interpreter, maybe not on PATH
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode() + _cpu_identity()).hexdigest()[:12]
-    name = f"milestones_{source.stem}_{digest}"  # a changed source, flag or CPU builds anew
+    installation = f"{torch.__version__} {Path(torch.__file__).parent}".encode()
+    digest = hashlib.sha1(source.read_bytes() + " ".join(flags).encode() + _cpu_identity() + installation).hexdigest()
+    name = f"milestones_{source.stem}_{digest[:12]}"  # a changed source, flag, CPU or torch builds anew
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))  # where torch builds and locks
     wait_for_build_lock(build_dir / "lock")
     if not (build_dir / f"{name}.so").exists():
