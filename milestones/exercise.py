@@ -6,8 +6,8 @@
 ``start`` copies the reference package ``milestones/mK`` (the previous milestone plus
 the lesson's changes) and replaces the body of every function that *is* the lesson by
 ``raise NotImplementedError``, with a TODO saying what to build and which step checks
-it. The lesson's functions are named in ``lessons.py`` by the snippet sections the
-docs already show, so skeletons are generated from the reference and never drift.
+it. The lesson's functions are named in ``milestones/course/`` (``mK.py`` for milestone mK) by the snippet
+sections the docs already show, so skeletons are generated from the reference and never drift.
 
 ``check`` runs the milestone's suite against the learner's package, one step at a time
 from the smallest piece to the whole engine (the last steps compare it token for token
@@ -30,7 +30,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from milestones.lessons import LESSONS, Exercise, Step
+from milestones.course import LESSONS, Exercise, Step
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent

@@ -18,8 +18,8 @@ files run one step at a time against a package outside ``milestones/``, the same
 for every milestone; walking all seven took a quarter of CI's ``make test``.
 
 The quick tests here run everywhere: filling the stubs gives back the reference byte for
-byte, the "Build it yourself" page says what lessons.py declares, and the chapters keep the
-lesson's functions folded.
+byte, the "Build it yourself" page says what milestones/course/ declares, and the chapters keep
+the lesson's functions folded.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from milestones.course import LESSONS
 from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start
-from milestones.lessons import LESSONS
 from tests.conftest import needs_compiler
 
 # m5's steps, and those of the milestones copied from it, capture with torch.compile on a CPU: without a compiler
@@ -137,7 +137,7 @@ def test_a_skeleton_filled_with_the_reference_bodies_passes_every_step(lesson, t
 
 @pytest.mark.parametrize("lesson", sorted(LESSONS))
 def test_the_build_it_yourself_page_names_each_milestones_functions_and_steps(lesson):
-    """docs/exercises.md says what each milestone asks of a learner, step by step: what lessons.py declares."""
+    """docs/exercises.md says what each milestone asks of a learner, step by step: what milestones/course/ declares."""
     page = (REPO_ROOT / "docs" / "exercises.md").read_text()
     declared = {name: number for number, step in enumerate(LESSONS[lesson], 1)
                 for exercise in step.exercises for name in exercise.functions}
@@ -156,7 +156,7 @@ def test_the_build_it_yourself_page_names_each_milestones_functions_and_steps(le
     stray = re.findall(r"`([\w.]+)`", pieces[-1])
     assert named == declared and not stray, (
         f"docs/exercises.md, {lesson}'s 'You write' says {named} (and {stray} with no step); "
-        f"lessons.py declares {declared}"
+        f"milestones/course/{lesson}.py declares {declared}"
     )
 
 

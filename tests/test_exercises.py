@@ -8,6 +8,8 @@ to show that the learner's package really replaces ``milestones.mK`` in the test
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -16,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
+from milestones.course import LESSONS
 from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start, wrap
-from milestones.lessons import LESSONS
 from tests.conftest import needs_compiler
 
 TAUGHT = MILESTONES  # every milestone is an exercise, m1 (the model itself) included
@@ -44,6 +46,26 @@ def test_every_milestone_has_a_lesson_whose_steps_end_with_the_chain_and_the_con
         for step in steps:
             for path in (t for t in step.tests if t.startswith("tests/")):
                 assert (REPO_ROOT / path.split("::")[0]).exists(), f"{milestone}: no {path}"
+
+
+def test_each_lesson_is_the_module_named_after_its_milestone_in_its_snippet_section():
+    """milestones/course/mK.py holds mK's steps: docs/mK.md includes its section mK, docs/hooks/diffs.py reads it."""
+    for milestone, steps in LESSONS.items():
+        module = importlib.import_module(f"milestones.course.{milestone}")
+        assert module.STEPS is steps, f"LESSONS[{milestone!r}] is not milestones/course/{milestone}.py's STEPS"
+        section_lines(Path(module.__file__).read_text(), milestone)  # raises LookupError without the section
+
+
+def test_the_docs_hook_finds_the_files_each_lesson_declares():
+    """The hook folds a diff that shows a lesson's answers; it reads the lesson modules as text, not imported."""
+    pytest.importorskip("mkdocs")
+    spec = importlib.util.spec_from_file_location("diffs_hook", REPO_ROOT / "docs" / "hooks" / "diffs.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    for milestone, steps in LESSONS.items():
+        declared = {exercise.file for step in steps for exercise in step.exercises}
+        assert hook.lesson_files(REPO_ROOT, milestone) == declared, milestone
+    assert hook.lesson_files(REPO_ROOT, "m0") == set()
 
 
 @pytest.mark.parametrize("lesson", TAUGHT)

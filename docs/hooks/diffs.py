@@ -8,7 +8,7 @@ Two marker lines are replaced, each on a line of its own:
     ``m2/scheduler.py`` and ``m3/scheduler.py``. A file that the older milestone does
     not have is shown as a new file, diffed against ``/dev/null``.
 
-    When the file holds functions of the newer milestone's exercise (``milestones/lessons.py``), the block is
+    When the file holds functions of the newer milestone's exercise (``milestones/course/m3.py``), the block is
     folded in a collapsed ``??? example``: it shows their bodies, the answers.
 
 ``<!-- changed-files m3 -->``
@@ -111,15 +111,14 @@ def diff_block(root: Path, old: str, new: str, name: str) -> str:
 
 
 def lesson_files(root: Path, milestone: str) -> set[str]:
-    """The files of the milestone's exercises, as milestones/lessons.py declares them (read, not imported)."""
-    path = root / "milestones" / "lessons.py"
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Dict):
-            for key, value in zip(node.keys, node.values):
-                if isinstance(key, ast.Constant) and key.value == milestone:
-                    return {call.args[0].value for call in ast.walk(value) if isinstance(call, ast.Call)
-                            and getattr(call.func, "id", None) == "Exercise" and isinstance(call.args[0], ast.Constant)}
-    return set()
+    """The files of the milestone's exercises, as milestones/course/<milestone>.py declares them (read, not imported,
+    like CHANGED_FILES: the checkout being built). A milestone with no lesson module has none."""
+    path = root / "milestones" / "course" / f"{milestone}.py"
+    if not path.is_file():
+        return set()
+    return {call.args[0].value for call in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "Exercise"
+            and isinstance(call.args[0], ast.Constant)}
 
 
 def changed_files_list(root: Path, milestone: str) -> str:

@@ -1,0 +1,67 @@
+"""m3's lesson, paged attention: the steps a learner passes one at a time, smallest first.
+
+``STEPS`` is ``LESSONS["m3"]``; docs/m3.md shows its snippet section under "Build it yourself".
+"""
+
+from __future__ import annotations
+
+from milestones.course.steps import Exercise, Step, contract
+
+# --8<-- [start:m3]
+STEPS: tuple[Step, ...] = (
+    Step("block manager", ("tests/m3/test_block_manager.py",),
+         "a block is free or owned by exactly one request; tables grow one block at a time",
+         (Exercise("block_manager.py", "grow", ("BlockManager.grow",),
+                   "extend the request's block table (a new request starts an empty one) with blocks from the "
+                   "front of the free list until it can hold num_tokens tokens, and return the table. If too few "
+                   "are free, change nothing and raise `RuntimeError(f\"{request_id} needs {needed} blocks but "
+                   "only {self.num_free_blocks} are free\")` (the test matches 'needs 1 blocks')."),
+          Exercise("block_manager.py", "free", ("BlockManager.free",),
+                   "return every block of the request to the free list and drop its table; freeing a request "
+                   "that holds no blocks (never grown, or freed already) does nothing, without an error."))),
+    Step("slot mapping and paged attention",
+         ("tests/m3/test_prepare_inputs.py", "tests/m3/test_paged_attention.py"),
+         "token p of a request lives in block table[p // block_size], at offset p % block_size; a span's first "
+         "is where its blocks start among the tables gathered before it, in tokens",
+         (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
+                   "as in m2 (ids, positions, the rows that sample and score the prompt, decodes to "
+                   "self.kernel_batch when self.decode_kernel is set, and `ctx.ragged_batch = "
+                   "self.ragged_batch(requests, ctx.block_tables)` when self.batched_attention is set), but token "
+                   "p goes to slot "
+                   "`table[p // block_size] * block_size + p % block_size`, and each request's "
+                   "`RequestSpan(start, end, table[: -(-end // block_size)], end)` carries its table cut to its "
+                   "context. ctx.block_tables is the tables of ctx.requests one after the other; each of those "
+                   "spans' first is block_size times the number of blocks before its own there."),
+          Exercise("attention.py", "gather", ("gather",),
+                   "read the blocks of the tables, in order, into one run of keys (or values): "
+                   "`[kv_heads, len(tables) * block_size, dim]`."))),
+    Step("scheduler: admission and preemption", ("tests/m3/test_scheduler.py",),
+         "admission is first come, first served and needs the first chunk's blocks plus one free block per "
+         "request already running (not the newcomer), none after a preemption; the victim is the latest admitted "
+         "request not yet scheduled (else the request itself, then left out of the step), sent to the front",
+         (Exercise("scheduler.py", "schedule", ("Scheduler.schedule",),
+                   "m2's plan over blocks: decodes first, then unfinished prefills, each with "
+                   "`min(tokens left, budget left)`. While a request's table cannot grow to "
+                   "`num_computed_tokens + num_new` tokens, preempt through `self._preempt(victim)` (the tests "
+                   "patch it to record victims): the most recently admitted running request not yet scheduled in "
+                   "this step, or else the request itself, which is then not scheduled. Then admit from the front "
+                   "of the queue, within max_num_seqs and the budget as in m2 (RUNNING, appended to self.running, "
+                   "then taken), while `new blocks of its first chunk + len(self.running) <= free blocks` (the "
+                   "newcomer is not counted), stopping at the first that does not fit, and nobody in a step that "
+                   "preempted. Return None if nothing is scheduled."),
+          Exercise("scheduler.py", "schedule", ("Scheduler._take",),
+                   "schedule num_new tokens of seq: append seq, num_new and its table, grown with "
+                   "`self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new)`, to the batch's "
+                   "three lists; return num_new, the tokens it takes from the budget."),
+          Exercise("scheduler.py", "schedule", ("Scheduler._preempt",),
+                   "recompute later: take seq out of self.running, free its blocks, set its num_computed_tokens "
+                   "to 0 and its status to WAITING, put it at the front of the waiting queue (appendleft: it is "
+                   "readmitted first), and count it in self.num_preemptions (the KV report shows it)."))),
+    Step("the engine, the same tokens as m2", ("tests/m3/test_vs_m2.py",),
+         "an integrity message (every batch is checked as it is scheduled, the bookkeeping after every step) "
+         "names the rule that broke; 'output token T differs' means the bookkeeping held but a token was "
+         "computed from the wrong keys and values: look at your slots and first (step 2) and at who is "
+         "preempted (step 3)"),
+    contract("m3"),
+)
+# --8<-- [end:m3]

@@ -1,0 +1,39 @@
+"""m5's lesson, the decode step captured and replayed: the steps a learner passes one at a time, smallest first.
+
+``STEPS`` is ``LESSONS["m5"]``; docs/m5.md shows its snippet section under "Build it yourself".
+"""
+
+from __future__ import annotations
+
+from milestones.course.steps import Exercise, Step, contract
+
+# --8<-- [start:m5]
+STEPS: tuple[Step, ...] = (
+    Step("a padded replay",
+         ("tests/m5/test_padded_inputs.py", "tests/m5/test_vs_m4.py", "-k",
+          "decode_inputs or padded_to_the_bucket or padded_replay or small_batch_after_a_large"),
+         "a replay reads only the static buffers: every step writes every row of its bucket, the smallest "
+         "captured size that holds the batch; padding rows are token 0 at position 0, write the scratch slot "
+         "and read one position (context_len 1); every table entry no request fills holds the scratch block",
+         (Exercise("model_runner.py", "decode_inputs", ("ModelRunner.decode_inputs",),
+                   "`DecodeInputs([], [], [], [], [])` filled with one entry per request of the batch (each "
+                   "has one new token, at position num_computed_tokens): its token "
+                   "`seq.token_ids[position]`, the position, its slot `table[position // block_size] * "
+                   "block_size + position % block_size`, its block table, and its context length, position + "
+                   "1 (the new token included)."),
+          Exercise("graph_runner.py", "run", ("GraphRunner.run",),
+                   "size: the smallest of self.sizes that holds the batch's rows. Fill the first size rows of "
+                   "every static buffer with `self._fill(buffer, size, values)`: input_ids and positions (0 "
+                   "for padding rows), slot_mapping (self.scratch_slot for padding) and context_lens (1 for "
+                   "padding); the block tables with `self._fill_tables(size, inputs.block_tables)`, which "
+                   "puts the scratch block in every entry no table fills. Count `self.num_replays += 1` and "
+                   "`self.num_padded_rows += pad`, replay with `self.replays[size]()` and return its first "
+                   "num_rows rows."))),
+    Step("the engine, the same tokens as m4",
+         ("tests/m5/test_vs_m4.py", "-k", "not padded_replay and not small_batch_after_a_large"),
+         "'output token T differs' with step 1 passing: run the same workload with enforce_eager=True, which "
+         "never replays; if that one agrees, the replayed steps read something the buffers did not get "
+         "this step"),
+    contract("m5"),
+)
+# --8<-- [end:m5]

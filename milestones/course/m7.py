@@ -1,0 +1,73 @@
+"""m7's lesson, speculative decoding: the steps a learner passes one at a time, smallest first.
+
+``STEPS`` is ``LESSONS["m7"]``; docs/m7.md shows its snippet section under "Build it yourself".
+"""
+
+from __future__ import annotations
+
+from milestones.course.steps import Exercise, Step, contract
+
+# --8<-- [start:m7]
+STEPS: tuple[Step, ...] = (
+    Step("the ngram proposer", ("tests/m7/test_proposer.py",),
+         "the longest suffix first (n from max_n down to min_n); its latest earlier occurrence wins; never the "
+         "suffix itself",
+         (Exercise("proposer.py", "ngram", ("NgramProposer.propose",),
+                   "num_tokens <= 0: []. For n from min(max_n, len(token_ids) - 1) down to min_n, look for the "
+                   "last n tokens at an earlier start, from the latest (len - n - 1) back to 0, never at len - "
+                   "n (the suffix itself); at the first match return "
+                   "`token_ids[start + n : start + n + num_tokens]`, which may be shorter. No match for any "
+                   "n: []."),)),
+    Step("guesses checked, the same tokens as m6",
+         ("tests/m7/test_guesses.py", "tests/m7/test_vs_m6.py", "-m", "not real_model", "-k", "not replayed"),
+         "a row's token counts only if every guess before it was the model's own pick; after a rejected one, "
+         "drop the later rows' tokens, their KV (num_computed_tokens) and the blocks past the kept tokens, "
+         "and halve the lookahead; a kept guess raises it by one, up to num_speculative_tokens",
+         (Exercise("speculation.py", "check", ("Speculator.check",),
+                   "token is the model's pick where the next row read guess. If they are equal, the guess is "
+                   "kept: add one to `seq.metrics.num_accepted_tokens` and to `self.num_accepted_tokens`, and "
+                   "raise seq.num_lookahead by one, to at most `self.config.num_speculative_tokens`. If not, the "
+                   "rows after it read a wrong token: `drop_pending_tokens(seq)` (their tokens and KV), "
+                   "`self.scheduler.trim(seq)`, and halve seq.num_lookahead, to at least "
+                   "`self.proposer.min_lookahead`."),
+          Exercise("block_manager.py", "shrink", ("BlockManager.shrink",),
+                   "pop blocks off the end of the request's table while it has more than "
+                   "`self.blocks_needed(num_tokens)`, each let go with `self.release(block)` (another holder "
+                   "may keep it); a request with no table (preempted or finished) is left alone."),
+          Exercise("scheduler.py", "trim", ("Scheduler.trim",),
+                   "after a rejected guess: `self.block_manager.shrink(seq.request_id, seq.num_tokens)`, and "
+                   "`seq.num_drafted_tokens = min(seq.num_drafted_tokens, seq.num_tokens - 1)`: a draft model's "
+                   "keys and values count only up to the slot whose token changed (step 4's draft relies on "
+                   "it)."))),
+    Step("a checking step replayed: a decode step with a row per token",
+         ("tests/m7/test_decode_rows.py", "tests/m7/test_vs_m6.py", "-k", "replayed"),
+         "each guess is a row of its own: its position, its slot, the request's table, and a context that "
+         "ends at itself, so it reads the rows before it and none after",
+         (Exercise("model_runner.py", "decode_inputs", ("ModelRunner.decode_inputs",),
+                   "for each request, a row for every token of `(seq.token_ids + "
+                   "seq.draft_token_ids)[seq.num_computed_tokens:]` (its last token, then its guesses), at "
+                   "positions num_computed_tokens, ...: the token, its position, its slot `table[p // "
+                   "block_size] * block_size + p % block_size`, a copy of the request's table (`list(table)`, "
+                   "the same for its rows: the host grows the live one while the step runs), context length p + "
+                   "1, and seq in the returned sample_seqs. Return `(DecodeInputs(...), sample_seqs)`."),)),
+    Step("a draft model guesses, in the requests' own blocks", ("tests/m7/test_draft_model.py",),
+         "the draft computes what it has not seen (from num_drafted_tokens), then one guess per forward; a "
+         "rejected guess's slot holds another token afterwards, so trim (step 2) counts the draft's KV back",
+         (Exercise("drafter.py", "draft_model", ("DraftModelProposer.propose_batch",),
+                   "give each request a `DraftView(list(seq.token_ids), seq.num_drafted_tokens, seq.params, "
+                   "seq.seed)`, the draft's copy computed up to num_drafted_tokens. While some request has "
+                   "fewer than rooms[i] guesses, one forward of the draft over those: "
+                   "`self.runner.execute(self.runner.prepare(ScheduledBatch(views, new tokens, tables)))`, new "
+                   "tokens being each view's tokens not yet computed, gives one token per view (sampled by the "
+                   "request's own rules): the view is now computed to its end, and the token is appended to it "
+                   "and to the request's guesses. Then set each `seq.num_drafted_tokens` to its view's "
+                   "num_computed_tokens and return the guesses."),)),
+    Step("rejection sampling: the model's distribution, not m6's tokens", ("tests/m7/test_rejection.py",),
+         "keep a guess when u * q(guess) < p(guess); otherwise draw from max(p - q, 0), never from p itself",
+         (Exercise("sampler.py", "rejection_sample", ("rejection_sample",),
+                   "for each row, keep the guess with probability min(1, p/q) at the guess (q one-hot when "
+                   "no guess_probs are given), else pick from the residual max(p - q, 0) with the exponential "
+                   "race over the given noise."),)),
+    contract("m7"),
+)
+# --8<-- [end:m7]

@@ -1,0 +1,29 @@
+"""What a lesson is made of: exercises, the steps that check them, and the contract step every lesson ends with.
+
+Apart from ``milestones/course/__init__.py`` so that each milestone's module imports them with no import circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Exercise:
+    file: str  # in the milestone's package
+    section: str  # the snippet section (as the docs include it) that holds the functions
+    functions: tuple[str, ...]  # qualified names, e.g. "BlockManager.grow"
+    todo: str  # what to build, in a sentence
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    tests: tuple[str, ...]  # pytest arguments, relative to the repository root
+    hint: str  # what to look at when this step fails
+    exercises: tuple[Exercise, ...] = ()  # what this step is the first to check
+
+
+def contract(milestone: str) -> Step:
+    return Step("the contract of every milestone", ("tests/contract",),
+                f"{milestone} keeps the public API and its promises (errors, streaming, aborts): see docs/promises.md")
