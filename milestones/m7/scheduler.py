@@ -16,6 +16,12 @@ where blocks come from.
   (least recently used first); only when none is left is a request preempted.
 * ``scheduling_policy="lpm"`` admits the waiting request with the longest cached
   prefix first (SGLang's longest-prefix-match); ``"fcfs"`` keeps arrival order.
+
+m7: with ``speculative_config`` it also keeps room for guesses, and never makes one. After
+the plan above, each decoding request gets room from the budget and free blocks the step
+left over (``_keep_guess_room``, ``ScheduledBatch.guess_rooms``); the engine asks the
+proposer to fill it (``speculation.py``), ``add_guesses`` joins the guesses to the step,
+and ``trim`` gives back what rejected ones held. It runs no model, not even a draft.
 """
 
 from __future__ import annotations
@@ -115,11 +121,12 @@ class Scheduler:
         # --8<-- [end:guess_or_not]
         return batch if batch.seqs else None
 
-    # --8<-- [start:add_guesses]
+    # --8<-- [start:keep_guess_room]
     def _keep_guess_room(self, batch: ScheduledBatch, budget: int) -> None:
         """m7: room for guesses of each decoding request's next tokens, checked by this step with its last one. They get
         only the budget and free blocks that every request's own tokens left: a guess never delays nor preempts anyone.
-        The blocks come first: a draft model writes its keys and values in them as it guesses."""
+        The blocks come first: a draft model writes its keys and values in them as it guesses. Only the room is kept
+        here (``batch.guess_rooms``): the engine's speculator asks the proposer to fill it, then ``add_guesses``."""
         for i, seq in enumerate(batch.seqs):
             slots = (len(batch.block_tables[i]) + self.block_manager.num_free_blocks) * self.config.block_size
             room = min(guess_room(seq, self.config.max_model_len), budget, slots - seq.num_computed_tokens - 1)
@@ -127,9 +134,12 @@ class Scheduler:
                 batch.block_tables[i] = self.block_manager.grow(seq.request_id, seq.num_computed_tokens + 1 + room)
                 batch.guess_rooms[i] = room
                 budget -= room
+    # --8<-- [end:keep_guess_room]
 
+    # --8<-- [start:add_guesses]
     def add_guesses(self, batch: ScheduledBatch, row: int, guesses: list[int]) -> None:
-        """m7: the request's guesses join the step after its last token; the blocks they left unused go back."""
+        """m7: the request's guesses, from the proposer (``Speculator.propose``), join the step after its last token;
+        the blocks of its room that they leave unused go back. The budget the room took stays spent."""
         seq = batch.seqs[row]
         self.block_manager.shrink(seq.request_id, seq.num_computed_tokens + 1 + len(guesses))
         seq.draft_token_ids = guesses
@@ -161,7 +171,8 @@ class Scheduler:
         """Insert the sequence's fully computed blocks into the tree and lock its new path.
 
         Only blocks of processed steps: a step still in flight may yet fail, and a block in the tree must hold
-        its keys and values for good."""
+        its keys and values for good. m7: processed tokens are kept ones (a rejected guess lowers the count), and
+        with a draft model a block goes in only once the draft wrote it too."""
         if self.tree is None:
             return
         written = seq.num_processed_tokens
@@ -238,7 +249,7 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Every request's state agrees with where it sits and its blocks hold what it computed; free + cached +
-        in-use blocks = the pool, and the tree is well formed."""
+        in-use blocks = the pool, the tree is well formed, and (m7) no request holds blocks past its tokens."""
         check_sequences(self.running, list(self.waiting), self.config.max_model_len)
         tables = self.block_manager.block_tables
         assert set(tables) == {seq.request_id for seq in self.running}, "a block table has no running request"
