@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from milestones import MILESTONES
 from milestones.exercise import IMPL_VARIABLE, install
 from milestones.model_store import resolve_model
 
 from .checkpoints import make_checkpoint
+
+# Where triton is installed but no GPU is there, its interpreter runs the Triton kernels on CPU tensors
+# (tests/kernels/test_triton_decode.py). It must be on before anything imports triton (torch._dynamo does, so
+# test modules would be too late), and stay on: kernels made before and after must agree on it. CI has no triton.
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # `make check M=m3 IMPL=workspace/m3` runs the suite with a learner's package in place of milestones.m3
 # (before any test module imports it).

@@ -17,7 +17,7 @@ python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transform
 python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
 python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
-python3 -m tests.gpu_runbook tests OUT --group attention  # one attention call per layer against the loop
+python3 -m tests.gpu_runbook tests OUT --group attention  # batched attention, the Triton decode kernel
 python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m5 and m5@eager; the small workload thrice
 python3 -m tests.gpu_runbook bench OUT --group host    # the engine's own work per step: a tiny model, batch 1-64
 python3 -m tests.gpu_runbook bench OUT --group 8b      # m6 against m6@sync on Llama-3.1-8B's shape (--layers N)
@@ -65,10 +65,11 @@ MIN_VERSIONS = {  # what the code and the tests need, and why
 # Used where present: without it the CUDA tests run the workload's structured-output requests as plain ones.
 OPTIONAL = {"llguidance": "structured output (milestones/*/structured_output.py)"}
 
-# The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda). The batched attention's
-# tests are a group of their own whatever else their names say; until they exist it selects none, which is no failure.
-ATTENTION_TESTS = "batched_attention"
-TEST_GROUPS = {group: f"({expression}) and not {ATTENTION_TESTS}" for group, expression in {
+# The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda). The attention paths' tests
+# (batched attention, the Triton decode kernel) are a group of their own whatever else their names say; a group that
+# selects none is no failure.
+ATTENTION_TESTS = "batched_attention or triton_decode"
+TEST_GROUPS = {group: f"({expression}) and not ({ATTENTION_TESTS})" for group, expression in {
     "reference": "m1_matches_transformers or m1_in_bfloat16 or cuda_and_cpu_agree or defaults_on_a_gpu",
     "chain": "the_chain_holds",
     "graphs": "m5_ or m6_",

@@ -22,6 +22,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "torch": ("attention_backend", "torch"),
     "cpp": ("attention_backend", "cpp"),
     "batched": ("attention_backend", "batched"),  # every request of an eager step in one call (CUDA's auto)
+    "triton": ("attention_backend", "triton"),  # CUDA: decodes, captured steps' too, in the Triton kernel
     "linear-auto": ("linear_backend", "auto"),
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),

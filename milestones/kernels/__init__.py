@@ -4,7 +4,9 @@
   of a step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
   op ``milestones::decode_attention``, over a KV cache in 2 MiB pages
   (``kv_cache_zeros``); "torch" keeps the lesson's own attention and plain zeros. On CUDA,
-  "batched" (``batched_attention.py``): every request of an eager step in one call per layer.
+  "batched" (``batched_attention.py``): every request of an eager step in one call per layer;
+  "triton" (``triton_decode.py``): the decodes, captured steps' included, in one Triton kernel that
+  reads each row's blocks up to its own context length.
 * ``linear_backend`` (every milestone): linear layers through a compiled kernel over
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
@@ -20,15 +22,15 @@ import torch
 
 from .batched_attention import BatchedAttention, RaggedBatch, batched_attention_for
 from .decode_attention import DTYPES as ATTENTION_DTYPES
-from .decode_attention import DecodeKernel, decode_kernel_for, kv_cache_zeros, load_decode_kernel
+from .decode_attention import TRITON_DTYPES, DecodeKernel, decode_kernel_for, kv_cache_zeros, load_decode_kernel
 from .linear_layers import pack_linear_layers_for, swap_linear_layers
 from .packed_linear import PackedLinear, onednn_available
 from .panel_linear import DTYPES as PANEL_DTYPES
 from .panel_linear import PanelLinear
 
 # auto: the compiled kernel where it applies and builds, batched on CUDA, else torch; batched: anywhere (its plain-torch
-# layout on a CPU, for checking it)
-ATTENTION_BACKENDS = ("auto", "torch", "cpp", "batched")
+# layout on a CPU, for checking it); triton: CUDA only
+ATTENTION_BACKENDS = ("auto", "torch", "cpp", "batched", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, else torch
 
 __all__ = [
@@ -38,10 +40,13 @@ __all__ = [
 ]
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse an unknown name, or "cpp" where the kernel cannot run."""
+    """Refuse an unknown name, or "cpp" or "triton" where the kernel cannot run."""
     _check_name("attention_backend", backend, ATTENTION_BACKENDS)
     if backend == "cpp" and (device.type != "cpu" or dtype not in ATTENTION_DTYPES):
         raise ValueError(f"attention_backend='cpp' runs on the CPU in float32 or bfloat16 only "
+                         f"(got {device.type}, {dtype}); use 'torch' or 'auto'")
+    if backend == "triton" and (device.type != "cuda" or dtype not in TRITON_DTYPES):
+        raise ValueError(f"attention_backend='triton' runs on CUDA in float32, bfloat16 or float16 only "
                          f"(got {device.type}, {dtype}); use 'torch' or 'auto'")
 
 

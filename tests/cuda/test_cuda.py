@@ -290,3 +290,64 @@ def test_batched_attention_in_bfloat16_is_as_close_to_float32_on_cuda(tiny_model
     print(f"\n{mod.__name__} bfloat16 prompt log-probabilities against float32: varlen mean {ours.mean():.4f} max "
           f"{ours.max():.3f}, the lesson's attention mean {lessons.mean():.4f} max {lessons.max():.3f}")
     assert ours.mean() <= 1.25 * lessons.mean()
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128), (4, 4, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_triton_decode_matches_paged_decode_attention_on_cuda(dtype, heads):
+    """The Triton decode kernel, compiled for this GPU, against the lesson's paged_decode_attention on random paged
+    caches (ragged contexts from 1 to 100, tables padded with a scratch block): the CPU tests' tolerance. Imported
+    here: tests/kernels/test_triton_decode.py skips itself (and so these) where triton is not installed."""
+    from milestones.m5.attention import paged_decode_attention
+    from tests.kernels.test_triton_decode import CONTEXTS, assert_close_to_lesson, paged_decode, triton_decode
+
+    worst = 0.0
+    for seed in (0, 1):
+        step = paged_decode(CONTEXTS, *heads, dtype, max_blocks=64, seed=seed, device=torch.device("cuda"))
+        got, expected = triton_decode.paged_decode_attention(*step.args()), paged_decode_attention(*step.args())
+        assert_close_to_lesson(got, expected, f"{dtype}, heads {heads}, seed {seed}")
+        worst = max(worst, (got.float() - expected.float()).abs().max().item())
+    print(f"\ntriton decode on cuda, {dtype}, heads {heads}: max error {worst:.2e} against paged_decode_attention")
+
+
+def test_triton_decode_in_a_cuda_graph_reads_the_lengths_and_tables_of_each_replay():
+    """Captured once, replayed over new context lengths and tables written into the same buffers: each replay gives
+    what the lesson's function gives on them (so the kernel reads them on the device, and captures without a sync)."""
+    from milestones.m5.attention import paged_decode_attention
+    from tests.kernels.test_triton_decode import assert_close_to_lesson, paged_decode, triton_decode
+
+    cuda = torch.device("cuda")
+    first = paged_decode([1, 16, 17, 40], 9, 3, 64, torch.bfloat16, max_blocks=8, pool_blocks=40, device=cuda)
+    triton_decode.paged_decode_attention(*first.args())  # compiled before the capture, as the graph runner warms up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = triton_decode.paged_decode_attention(*first.args())
+    for seed, contexts in ((1, [100, 3, 64, 1]), (2, [33, 33, 1, 128])):
+        step = paged_decode(contexts, 9, 3, 64, torch.bfloat16, max_blocks=8, pool_blocks=40, seed=seed, device=cuda)
+        for static, new in zip(first.args()[:5], step.args()[:5]):
+            static.copy_(new)
+        graph.replay()
+        assert_close_to_lesson(output, paged_decode_attention(*first.args()), f"replay with contexts {contexts}")
+
+
+def test_triton_decode_engine_captures_it_and_matches_torch_on_cuda(tiny_model_factory):
+    """m5 with attention_backend="triton" (float32, SmolLM2-135M's shape: 9 query heads over 3 kv heads) gives the
+    lesson's tokens, with the kernel in its captured decode steps (replayed) and its eager decodes."""
+    from tests.kernels.test_triton_decode import triton_decode
+
+    path = tiny_model_factory("smollm2-135m")
+    limits = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24,
+                  cudagraph_capture_sizes=[1, 4])
+    prompts, settings = gpu_workload(16, seed=3, max_prompt=90, max_output=40)
+    with m5.LLM(path, **limits, attention_backend="torch") as llm:
+        reference = run(m5, llm, prompts, settings)
+    with m5.LLM(path, **limits, attention_backend="triton") as llm:
+        runner = llm.engine.runner
+        assert runner.decode_kernel is triton_decode.paged_decode_attention and runner.batched_attention is None
+        assert runner.graph_runner.kernel is triton_decode.paged_decode_attention
+        assert_same_outputs(run(m5, llm, prompts, settings), reference, atol=CUDA_LOGPROB_ATOL)
+        llm.engine.check_integrity()
+        stats = llm.engine.graph_stats()
+    assert stats["replays"] > 0 and stats["eager_steps"] > 0, stats
+    print(f"\nm5 with the triton decode kernel: {stats}")
