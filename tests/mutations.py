@@ -466,6 +466,25 @@ CATALOGUE = (
         "the proposer tries the shortest suffix first, so a single repeated token beats a longer match",
     ),
     Mutation(
+        "m7-ngram-index-keeps-earliest", "milestones/m7/proposer.py",
+        "index[tuple(token_ids[after - n : after])] = after",
+        "index.setdefault(tuple(token_ids[after - n : after]), after)",
+        ("tests/m7/test_proposer.py::test_the_index_guesses_what_propose_guesses_as_tokens_come",),
+        "the index keeps a run's first occurrence, not its latest, so it guesses what followed the oldest copy",
+    ),
+    Mutation(
+        "m7-ngram-index-reads-suffix", "milestones/m7/proposer.py",
+        "for end in range(seq.num_ngram_indexed, length - 1):", "for end in range(seq.num_ngram_indexed, length):",
+        ("tests/m7/test_proposer.py::test_the_index_guesses_what_propose_guesses_as_tokens_come",),
+        "the index takes in the suffix itself, whose next token is not known, so the suffix matches itself: no guess",
+    ),
+    Mutation(
+        "m7-ngram-index-keeps-after-cut", "milestones/m7/proposer.py",
+        "if length - 1 < seq.num_ngram_indexed:", "if False:",
+        ("tests/m7/test_proposer.py::test_the_index_guesses_what_propose_guesses_as_tokens_come",),
+        "the index keeps runs of tokens the request no longer has, and guesses from them",
+    ),
+    Mutation(
         "m7-lookahead-kept-on-rejection", "milestones/m7/speculation.py",
         "            seq.num_lookahead = max(self.proposer.min_lookahead, seq.num_lookahead // 2)",
         "            pass",

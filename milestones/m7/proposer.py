@@ -6,7 +6,9 @@ request's latest few tokens appeared are a good guess for what follows now. A gu
 costs no forward pass; the target model checks every guessed token of a request in one
 step, and a wrong guess costs only the extra rows of that step. ``drafter.py`` has the
 other proposer, a smaller model; the engine asks either through ``propose_batch``
-(``speculation.py``), into the room the scheduler kept.
+(``speculation.py``), into the room the scheduler kept. ``propose`` says what prompt lookup
+guesses; ``look_up`` gives the same guesses step after step from an index kept on the
+request, without reading its whole history each time.
 """
 
 from __future__ import annotations
@@ -42,9 +44,35 @@ class NgramProposer:
 
     min_lookahead: ClassVar[int] = 1  # a lookup that finds nothing costs nothing: never stop looking
 
+    # --8<-- [start:propose_batch]
     def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
-        """Each request's guesses, from its own tokens alone (the blocks are for a proposer that runs a model)."""
-        return [self.propose(seq.token_ids, n) for seq, n in zip(seqs, rooms)]
+        """Each request's guesses, from its own tokens alone (the blocks are for a proposer that runs a model): what
+        ``propose`` gives, read from the request's index rather than a scan of its whole history."""
+        return [self.look_up(seq, room) for seq, room in zip(seqs, rooms)]
+
+    def look_up(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """``propose(seq.token_ids, num_tokens)`` from ``seq.ngram_index``, which maps each run of min_n..max_n of its
+        tokens to where the tokens after its latest occurrence start, first brought up to date with the tokens added
+        since the last lookup. The engine drops only tokens of steps not processed yet, which no lookup saw."""
+        if num_tokens <= 0:
+            return []
+        token_ids, index = seq.token_ids, seq.ngram_index
+        length = len(token_ids)
+        if length - 1 < seq.num_ngram_indexed:  # tokens a lookup saw were taken away: start over
+            index.clear()
+            seq.num_ngram_indexed = 0
+        # Each run whose next token is known: never the suffix itself. A later run overwrites: the latest wins.
+        for end in range(seq.num_ngram_indexed, length - 1):
+            after = end + 1
+            for n in range(self.min_n, min(self.max_n, after) + 1):
+                index[tuple(token_ids[after - n : after])] = after
+        seq.num_ngram_indexed = max(length - 1, 0)
+        for n in reversed(range(self.min_n, min(self.max_n, length - 1) + 1)):  # the longest suffix first
+            start = index.get(tuple(token_ids[length - n :]))
+            if start is not None:
+                return token_ids[start : start + num_tokens]
+        return []
+    # --8<-- [end:propose_batch]
 
 
 PROBE_INTERVAL = 8  # a request that stopped guessing (lookahead 0) guesses one token again every this many tokens

@@ -74,6 +74,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)  # m7: guesses of the tokens after the last, for a step
     num_lookahead: int = 0  # m7: how many tokens to guess next: up on each accepted guess, halved on a rejected one
     num_drafted_tokens: int = 0  # m7, draft_model: tokens whose keys and values the draft model wrote (some rejected)
+    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)  # m7, ngram: run -> end of its latest copy
+    num_ngram_indexed: int = 0  # m7, ngram: the runs ending before this token are in ngram_index (proposer.look_up)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

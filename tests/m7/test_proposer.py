@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from milestones.m7.detokenizer import IncrementalDetokenizer
 from milestones.m7.proposer import PROBE_INTERVAL, NgramProposer, guess_room
 from milestones.m7.sampling_params import SamplingParams
@@ -35,6 +37,50 @@ def test_nothing_to_propose():
     assert proposer.propose([1, 2, 3, 4], 3) == [], "no token repeats: nothing to propose, []"
     assert proposer.propose([7], 3) == [], "one token has no earlier occurrence: []"
     assert proposer.propose([1, 1, 1], 0) == [], "num_tokens 0: []"
+
+
+def test_the_index_guesses_what_propose_guesses_as_tokens_come():
+    """propose_batch looks up each request's index (look_up), kept up to date token by token: on random texts, some
+    copying their own earlier passages, it must give what propose's scan gives at every length, for any n and room."""
+    rng = random.Random(0)
+    for trial in range(400):
+        min_n = rng.randint(1, 3)
+        proposer = NgramProposer(min_n, rng.randint(min_n, 5))
+        vocab = rng.choice([2, 3, 8, 1000])  # a small vocabulary repeats by chance, a large one only by copying
+        seq = sequence([rng.randrange(vocab) for _ in range(rng.randint(1, 4))], None, [])
+        tokens = seq.token_ids
+        copying_from = None  # where the passage being copied goes on, if one is
+        for step in range(80):
+            if rng.random() < 0.7:  # not every step looks up: the index catches up on several tokens at once
+                num_tokens = rng.randint(0, 6)
+                want, got = proposer.propose(tokens, num_tokens), proposer.look_up(seq, num_tokens)
+                assert got == want, (
+                    f"trial {trial}, step {step}: with n from {proposer.max_n} to {proposer.min_n}, look_up proposed "
+                    f"{got} after {tokens}, but propose gives {want}: the latest earlier occurrence of the longest "
+                    "suffix, never the suffix itself"
+                )
+            if rng.random() < 0.1:
+                copying_from = rng.randrange(len(tokens))
+            if copying_from is not None and rng.random() < 0.9:
+                tokens.append(tokens[copying_from])
+                copying_from += 1
+            else:
+                tokens.append(rng.randrange(vocab))
+        del tokens[rng.randint(1, len(tokens)) :]  # tokens taken away: the index starts over at its next lookup
+        assert proposer.look_up(seq, 3) == proposer.propose(tokens, 3), f"trial {trial}: after a cut, at {tokens}"
+
+
+def test_propose_batch_keeps_each_requests_index_on_the_request():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    seq = sequence([1, 2, 3, 4], None, [])
+    assert proposer.propose_batch([seq], [[]], [2]) == [[]] and seq.num_ngram_indexed == 3, (
+        "propose_batch indexes the request's runs on its first lookup (seq.ngram_index), even with nothing to guess"
+    )
+    index = seq.ngram_index
+    seq.token_ids += [9, 2, 3]
+    assert proposer.propose_batch([seq], [[]], [2]) == [[4, 9]] and seq.ngram_index is index, (
+        "the next lookup extends the same index with the tokens added since: '2 3' was last seen at 1..2"
+    )
 
 
 def sequence(prompt: list[int], max_tokens: int | None, generated: list[int]) -> Sequence:

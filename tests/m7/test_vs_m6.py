@@ -18,6 +18,7 @@ import torch
 from milestones import m6, m7
 from milestones.m7.config import default_capture_sizes
 from milestones.m7.proposer import NgramProposer
+from milestones.m7.sequence import Sequence
 from milestones.m7.step import DecodeInputs
 from tests.chain import Completion, assert_same_outputs, completions, mixed_workload, run
 from tests.conftest import needs_compiler
@@ -36,6 +37,9 @@ class OracleProposer(NgramProposer):
         n = len(token_ids)
         future = next(f for f in self.futures if list(f[:n]) == token_ids)
         return [g + 1 if (n + i) % 3 == 0 else g for i, g in enumerate(future[n : n + num_tokens])]
+
+    def look_up(self, seq: Sequence, num_tokens: int) -> list[int]:
+        return self.propose(seq.token_ids, num_tokens)  # propose_batch asks here: the oracle, not the request's index
 
 
 def speculating(llm, prompts, reference: list[Completion]):
