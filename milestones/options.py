@@ -2,14 +2,16 @@
 
 Not a lesson: every milestone adds options, and with a table each one costs its
 milestone a line (``"async_scheduling": FLAG``), not another ``if``. Checks that relate
-two options (a budget at least the batch size) stay in ``EngineConfig.resolve``.
+two options (a budget at least the batch size) stay in ``EngineConfig.resolve``. An option
+made of options (m7's ``speculative_config``) is a dataclass of its own, read by ``nested``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import TypeVar
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,3 +44,24 @@ def check(config: object, table: dict[str, Kind]) -> None:
         value = getattr(config, name)
         if not kind.accepts(value):
             raise ValueError(f"{name} must be {kind.description}, got {value!r}")
+
+
+Config = TypeVar("Config")
+
+
+def nested(cls: type[Config], given: object, table: dict[str, Kind], name: str) -> Config:
+    """The dataclass ``cls`` from a dict of its fields (or one already made, checked again), each value checked by
+    ``table``; the errors name the option ``name``."""
+    if isinstance(given, cls):
+        given = asdict(given)
+    names = [f.name for f in fields(cls)]
+    required = [f.name for f in fields(cls) if f.default is MISSING]
+    if not isinstance(given, dict) or not set(given) <= set(names) or not set(required) <= set(given):
+        raise ValueError(f"{name} takes the keys {', '.join(names)} ({' and '.join(required)} required), "
+                         f"got {sorted(given) if isinstance(given, dict) else given!r}")
+    config = cls(**given)
+    try:
+        check(config, table)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
+    return config

@@ -39,7 +39,7 @@ from .rollback import drop_pending_tokens, roll_back
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-from .step import LaunchedStep, ScheduledBatch
+from .step import LaunchedRow, LaunchedStep, ScheduledBatch
 from .structured_output import StructuredOutputManager
 from .worker import ForwardWorker
 
@@ -156,8 +156,9 @@ class LLMEngine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new  # steps run in launch order: whatever is launched next sees them
         launched = LaunchedStep(self.num_launched, batch.seqs, before, [seq.num_computed_tokens for seq in batch.seqs],
-                                inputs.sample_seqs, [seq.num_tokens for seq in inputs.sample_seqs])
+                                rows=[])
         for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
+            launched.rows.append(LaunchedRow(seq, seq.num_tokens))  # where its token will go
             seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
             seq.num_pending_tokens += 1
         self.tracer.record("schedule", start, launched.number, len(batch.seqs))  # the host's work up to the launch
@@ -182,12 +183,13 @@ class LLMEngine:
                 if seq.request_id in output.prompt_logprobs:  # its rows read positions ``before`` on
                     seq.add_prompt_logprobs(before + 1, output.prompt_logprobs[seq.request_id])
         outputs = []
-        for seq, index, sampled in zip(launched.sample_seqs, launched.token_indices, output.sampled):
+        for row, token, logprobs in zip(launched.rows, output.tokens.tolist(), output.logprobs):
+            seq = row.seq
             if seq.is_finished:  # it finished (or was aborted) while this step computed: the token is dropped
                 continue
-            if sampled.logprobs is not None:
-                seq.output_logprobs.append(sampled.logprobs)
-            self._accept_token(seq, index, sampled.token_id)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            self._accept_token(seq, row.index, token)
             if seq.is_finished:
                 drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)

@@ -31,7 +31,7 @@ from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler, ranked_logprobs
 from .sequence import Logprob
-from .step import DecodeInputs, ModelInputs, PromptLogprobRows, SamplingRow, ScheduledBatch, StepInputs, StepSamples
+from .step import DecodeInputs, ModelInputs, PromptLogprobRows, SamplingRow, ScheduledBatch, StepInputs, StepOutput
 
 
 class ModelRunner:
@@ -110,7 +110,7 @@ class ModelRunner:
                           self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> StepSamples:
+    def execute(self, step: StepInputs) -> StepOutput:
         """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device."""
         prompt_logprobs = {}
         if isinstance(step.forward, DecodeInputs):
@@ -123,11 +123,11 @@ class ModelRunner:
             rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
             hidden = hidden[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
-            return StepSamples(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
+            return StepOutput(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
         logits = self.sampler.apply_grammars(self.compute_logits(hidden), step.samples)  # structured: the format's only
         tokens = self.sampler(logits, step.samples)
         self.future_map.store(step.future_ids, tokens)
-        return StepSamples(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)
+        return StepOutput(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)
     # --8<-- [end:execute]
 
     # --8<-- [start:prompt_logprobs]

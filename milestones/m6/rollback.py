@@ -29,6 +29,7 @@ def roll_back(failed: LaunchedStep, pending: LaunchedStep | None) -> None:
         for seq, computed in zip(launched.seqs, launched.num_computed_before):
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens = computed
-        for seq, index in zip(launched.sample_seqs, launched.token_indices):
+        for row in launched.rows:
+            seq, index = row.seq, row.index
             seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone
             del seq.token_ids[index:]

@@ -22,7 +22,7 @@ import torch
 
 from milestones.trace import Tracer
 
-from .step import SampledToken, StepOutput, StepResult
+from .step import StepOutput
 
 if TYPE_CHECKING:  # only for type hints
     from .model_runner import ModelRunner
@@ -35,7 +35,7 @@ class ForwardWorker:
 
     def __init__(self, runner: ModelRunner, device: torch.device, threaded: bool, tracer: Tracer) -> None:
         self.runner, self.device, self.tracer = runner, device, tracer
-        self.results: queue.SimpleQueue[StepResult] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stream = None
         if device.type == "cuda" and threaded:
@@ -64,16 +64,15 @@ class ForwardWorker:
         Results of older steps are thrown away: steps the host rolled back, or one whose wait was interrupted
         (Ctrl-C), would otherwise be taken for the steps after them.
         """
-        while (result := self._next_result()).step_number != step_number:
+        while (output := self._next_result()).step_number != step_number:
             pass
-        if result.error is not None:
-            raise result.error  # with the worker's traceback
-        if result.ready is not None:
-            result.ready.synchronize()
-        sampled = [SampledToken(token, found) for token, found in zip(result.tokens.tolist(), result.logprobs)]
-        return StepOutput(sampled, result.prompt_logprobs)
+        if output.error is not None:
+            raise output.error  # with the worker's traceback
+        if output.ready is not None:
+            output.ready.synchronize()
+        return output
 
-    def _next_result(self) -> StepResult:
+    def _next_result(self) -> StepOutput:
         while True:
             try:
                 return self.results.get(timeout=1.0)
@@ -88,22 +87,22 @@ class ForwardWorker:
         while (item := self.inbox.get()) is not None:
             self.results.put(self._compute(*item))
 
-    def _compute(self, step_number: int, inputs: StepInputs) -> StepResult:
+    def _compute(self, step_number: int, inputs: StepInputs) -> StepOutput:
         start = self.tracer.now()
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                sampled = self.runner.execute(inputs)
-                tokens = sampled.tokens
-                result = StepResult(step_number, tokens, sampled.logprobs, prompt_logprobs=sampled.prompt_logprobs)
+                output = self.runner.execute(inputs)
+                output.step_number = step_number
                 if self.stream is not None:  # copy without waiting; the host waits on the event when it needs them
-                    result.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-                    result.tokens.copy_(tokens, non_blocking=True)
-                    result.ready = torch.cuda.Event()
-                    result.ready.record(self.stream)
+                    tokens, output.tokens = output.tokens, torch.empty(output.tokens.shape, dtype=torch.long,
+                                                                       pin_memory=True)
+                    output.tokens.copy_(tokens, non_blocking=True)
+                    output.ready = torch.cuda.Event()
+                    output.ready.record(self.stream)
         except BaseException as error:  # handed to the host, which re-raises it; the worker lives on
-            result = StepResult(step_number, error=error)
+            output = StepOutput(None, [], {}, step_number, error=error)
         self.tracer.record("forward", start, step_number, inputs.num_seqs)
-        return result
+        return output
 
     def close(self) -> None:
         """Stop the thread once it has finished what it was given; later steps are refused."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,12 +62,7 @@ class EngineConfig:
                              "could ever fill a block; use a smaller block_size (16 is the default)")
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
         check_attention_backend(self.attention_backend, device, dtype)  # another one
-        # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
-        # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
-        overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
         speculative = self.speculative_config
-        if isinstance(speculative, SpeculativeConfig):  # checked as the dict it could have been
-            speculative = asdict(speculative)
         if speculative is not None:
             speculative = SpeculativeConfig.from_dict(speculative)
         # m7: a checking step is replayed as a decode step with a row per token, 1 + k rows a request
@@ -81,6 +76,9 @@ class EngineConfig:
         ):
             raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of row counts in [1, max_num_seqs * "
                              f"(1 + num_speculative_tokens) = {self.max_num_seqs * rows_per_seq}], got {sizes!r}")
+        # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
+        # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
+        overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
         if speculative is not None and overlap:
             if self.async_scheduling is True:
                 raise ValueError("async_scheduling=True cannot overlap speculative steps: the proposer needs each "
@@ -107,16 +105,9 @@ class SpeculativeConfig:
     # step guesses): in a busy step every row is real arithmetic, and a wrong guess wastes nearly a token's cost
 
     @classmethod
-    def from_dict(cls, given: dict) -> SpeculativeConfig:
-        names = [field.name for field in fields(cls)]
-        if not set(given) <= set(names) or not {"method", "num_speculative_tokens"} <= set(given):
-            raise ValueError(f"speculative_config takes the keys {', '.join(names)} (method and "
-                             f"num_speculative_tokens required), got {sorted(given)}")
-        config = cls(**given)
-        try:
-            options.check(config, SPECULATIVE_OPTIONS)
-        except ValueError as error:
-            raise ValueError(f"speculative_config: {error}") from None
+    def from_dict(cls, given: dict | SpeculativeConfig) -> SpeculativeConfig:
+        """Checked through its options table, then the checks that relate two of its options."""
+        config = options.nested(cls, given, SPECULATIVE_OPTIONS, "speculative_config")
         if (config.method == "draft_model") != (config.model is not None):
             raise ValueError("speculative_config: 'model' names the draft, and only method 'draft_model' has one, "
                              f"which it needs; got method {config.method!r} with model {config.model!r}")

@@ -45,7 +45,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .speculation import Speculator
-from .step import LaunchedStep, ScheduledBatch
+from .step import LaunchedRow, LaunchedStep, ScheduledBatch
 from .structured_output import StructuredOutputManager
 from .worker import ForwardWorker
 
@@ -166,10 +166,10 @@ class LLMEngine:
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new  # steps run in launch order: whatever is launched next sees them
         launched = LaunchedStep(self.num_launched, batch.seqs, before, [seq.num_computed_tokens for seq in batch.seqs],
-                                inputs.sample_seqs, [], [])
+                                rows=[])
         for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
-            launched.token_indices.append(seq.num_tokens)
-            launched.guesses.append(seq.draft_token_ids.pop(0) if seq.draft_token_ids else None)
+            guess = seq.draft_token_ids.pop(0) if seq.draft_token_ids else None  # m7: what the next row reads
+            launched.rows.append(LaunchedRow(seq, seq.num_tokens, guess))  # where its token will go
             seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
             seq.num_pending_tokens += 1
         self.tracer.record("schedule", start, launched.number, len(batch.seqs))  # the host's work up to the launch
@@ -194,18 +194,18 @@ class LLMEngine:
                 if seq.request_id in output.prompt_logprobs:  # its rows read positions ``before`` on
                     seq.add_prompt_logprobs(before + 1, output.prompt_logprobs[seq.request_id])
         changed: dict[str, Sequence] = {}
-        for seq, index, sampled, guess in zip(launched.sample_seqs, launched.token_indices, output.sampled,
-                                              launched.guesses):
-            if seq.is_finished or index >= seq.num_tokens:  # finished meanwhile, or (m7) past a rejected guess
+        for row, token, logprobs in zip(launched.rows, output.tokens.tolist(), output.logprobs):
+            seq = row.seq
+            if seq.is_finished or row.index >= seq.num_tokens:  # finished meanwhile, or (m7) past a rejected guess
                 continue
-            if sampled.logprobs is not None:
-                seq.output_logprobs.append(sampled.logprobs)
-            self._accept_token(seq, index, sampled.token_id)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            self._accept_token(seq, row.index, token)
             if seq.is_finished:
                 drop_pending_tokens(seq)  # the step in flight computes one token too many for it
                 self.scheduler.finish(seq)
-            elif guess is not None:
-                self.speculator.check(seq, sampled.token_id, guess)
+            elif row.guess is not None:
+                self.speculator.check(seq, token, row.guess)
             changed[seq.request_id] = seq
         outputs = [RequestOutput.from_sequence(seq) for seq in changed.values()]
         for seq in self.parents.release_held(outputs):  # m4: the first sample's prompt is computed

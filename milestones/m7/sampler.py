@@ -90,6 +90,24 @@ class Sampler:
         return rejection_sample(probs, guesses, torch.stack(uniforms), torch.stack(noise))
     # --8<-- [end:judge_guesses]
 
+    # --8<-- [start:logprobs]
+    def logprobs(self, logits: torch.Tensor, seqs: list[SamplingRow],
+                 tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
+        """For each row whose request asks (``params.logprobs`` = k): the chosen token's log-probability and the k
+        likeliest tokens', each with its rank. From the model's own logits (vLLM's default): before penalties and
+        temperature, they say what the model thinks, whatever rule then picked the token. m6: reading them waits for
+        the step on the worker (tokens alone stay on the device): only steps with a row that asks pay for it."""
+        found: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return found
+        index = to_device(rows, torch.long, self.device)
+        ks = [seqs[i].params.logprobs for i in rows]
+        for i, ranked in zip(rows, ranked_logprobs(logits[index], tokens[index], ks)):
+            found[i] = ranked
+        return found
+    # --8<-- [end:logprobs]
+
     # --8<-- [start:penalties]
     def apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         """vLLM's order: the repetition penalty on every token of the prompt and the output, then the frequency and
@@ -112,24 +130,6 @@ class Sampler:
             row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
         return logits
     # --8<-- [end:penalties]
-
-    # --8<-- [start:logprobs]
-    def logprobs(self, logits: torch.Tensor, seqs: list[SamplingRow],
-                 tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
-        """For each row whose request asks (``params.logprobs`` = k): the chosen token's log-probability and the k
-        likeliest tokens', each with its rank. From the model's own logits (vLLM's default): before penalties and
-        temperature, they say what the model thinks, whatever rule then picked the token. m6: reading them waits for
-        the step on the worker (tokens alone stay on the device): only steps with a row that asks pay for it."""
-        found: list[dict[int, Logprob] | None] = [None] * len(seqs)
-        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not rows:
-            return found
-        index = to_device(rows, torch.long, self.device)
-        ks = [seqs[i].params.logprobs for i in rows]
-        for i, ranked in zip(rows, ranked_logprobs(logits[index], tokens[index], ks)):
-            found[i] = ranked
-        return found
-    # --8<-- [end:logprobs]
 
     # --8<-- [start:filtered_probs]
     def filtered_probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:

@@ -122,6 +122,16 @@ class StepInputs:
 
 # --8<-- [start:launched_step]
 @dataclass(slots=True)
+class LaunchedRow:
+    """A row of a launched step that samples: whose token it is, and where in its token_ids the token goes (its
+    future id stands there until the step is processed)."""
+
+    seq: Sequence
+    index: int
+    guess: int | None = None  # m7: the guess the request's next row read, which this row's pick must equal
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """A step on the forward worker, not yet processed: what the host must do when its tokens arrive."""
 
@@ -129,44 +139,19 @@ class LaunchedStep:
     seqs: list[Sequence]
     num_computed_before: list[int]  # each sequence's computed tokens before the step: what a failure restores
     num_computed_after: list[int]  # and after it: processed once the step is
-    sample_seqs: list[Sequence]  # the sequences that sample, in the order of the step's tokens
-    token_indices: list[int]  # where each sampled token goes in its sequence's token_ids (its future id until then)
-    guesses: list[int | None]  # m7: the guess the request's next row read, which this row's token must equal
+    rows: list[LaunchedRow]  # one per token the step samples, in its order
 # --8<-- [end:launched_step]
 
 
 @dataclass(slots=True)
-class StepSamples:
-    """What a step sampled: its tokens, left on the device, and the log-probabilities of the rows that asked."""
-
-    tokens: torch.Tensor
-    logprobs: list[dict[int, Logprob] | None]
-    prompt_logprobs: dict[str, list[dict[int, Logprob]]]  # by request id: one per prompt token its rows scored
-
-
-@dataclass(slots=True)
-class SampledToken:
-    """One row's pick, with its log-probabilities when its request asked for them (``SamplingParams.logprobs``)."""
-
-    token_id: int
-    logprobs: dict[int, Logprob] | None = None  # the chosen token's first, then the likeliest ones'
-
-
-@dataclass(slots=True)
 class StepOutput:
-    """What a step computed: its picks, and the prompt scores of the requests that asked."""
+    """What a step computed: its picks, and the prompt scores of the requests that asked. m6: the picks stay on the
+    device (one per ``LaunchedStep.rows``); the worker adds the step's number and, on CUDA, the event that says their
+    copy to the host is done, or the exception the step raised instead."""
 
-    sampled: list[SampledToken]  # m6: one per row that sampled (``LaunchedStep.sample_seqs``), not per sequence
+    tokens: torch.Tensor | None  # None: the step raised
+    logprobs: list[dict[int, Logprob] | None]  # per token, for rows whose request asked (``SamplingParams.logprobs``)
     prompt_logprobs: dict[str, list[dict[int, Logprob]]]  # by request id: one per prompt token its rows scored
-
-
-@dataclass(slots=True)
-class StepResult:
-    """A computed step: its tokens (on the host once ``ready`` has fired), or the exception it raised."""
-
-    step_number: int
-    tokens: torch.Tensor | None = None
-    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per token, for rows that asked
-    prompt_logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)  # as StepSamples'
+    step_number: int = 0
     ready: torch.cuda.Event | None = None  # CUDA: the copy of the tokens to the host is done
     error: BaseException | None = None

@@ -88,7 +88,7 @@ def test_a_request_that_stops_leaves_at_once_without_the_token_in_flight(llm):
     )
     engine.check_integrity()
     in_flight = engine.pending
-    assert in_flight is not None and seq in in_flight.sample_seqs, "the step in flight was launched with it"
+    assert in_flight is not None and seq in [row.seq for row in in_flight.rows], "the step in flight has it"
     outputs = step_past_a_stop(engine)  # processes the step that still computed a token for the finished request
     assert all(out.request_id != short for out in outputs) and seq.output_token_ids == want, (
         "the step in flight when the request stopped brought it one more token, which must be dropped: "

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from milestones import m6, m7
+from milestones.m7.proposer import NgramProposer
 from milestones.m7.sampler import rejection_sample
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.m7.test_vs_m6 import LIMITS, NGRAM, OracleProposer
@@ -112,3 +113,62 @@ def test_rejection_with_a_draft_model_is_refused(tiny_model_path):
         m7.LLM(tiny_model_path, **LIMITS, speculative_config=config)
     with pytest.raises(ValueError, match="acceptance must be 'exact' or 'rejection'"):
         m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM | {"acceptance": "greedy"})
+
+
+@dataclasses.dataclass(frozen=True)
+class FavouriteOracle(NgramProposer):
+    """Guesses, for a request's second token only, the token m6 ranked first after the request's first token."""
+
+    guess_after: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)  # prompt + first token -> guess
+
+    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        guess = self.guess_after.get(tuple(token_ids))
+        return [guess] if guess is not None else []
+
+    def look_up(self, seq, num_tokens: int) -> list[int]:
+        return self.propose(seq.token_ids, num_tokens)
+
+
+ENGINE_TEMPERATURE = 5.0  # the tiny model is sure of itself: flattened, each of the five ranks gets a share
+
+
+def test_the_engine_keeps_the_models_distribution_under_rejection(tiny_model_path):
+    """Many seeds, one prompt, top-k 5: each request's second token is judged against a guess of the token m6
+    found likeliest after its first. m6's own top-5 log-probabilities give each request's p exactly (softmax over the
+    top 5, at the temperature, is what top-k samples from), and the tokens m7 keeps or draws must follow those p: a
+    chi-square test over the five ranks (summed over requests, whose p differ: a little conservative). m6's tokens
+    must pass the same test, which checks the statistic; drawing a rejected guess's replacement from p instead of the
+    residual fails it (chi-square 61 here)."""
+    num_requests, prompt = 240, [17, 4021, 233, 9, 1500, 77]
+    settings = [dict(temperature=ENGINE_TEMPERATURE, top_k=5, seed=s, max_tokens=3, ignore_eos=True, logprobs=5)
+                for s in range(num_requests)]
+    limits = LIMITS | dict(max_num_seqs=64, max_num_batched_tokens=512)
+    reference = run(m6, m6.LLM(tiny_model_path, **limits), [prompt] * num_requests, settings)
+    ranked = []  # per request: the 5 tokens after its first one, likeliest first, and their probabilities under top-k
+    for completion in reference:
+        second = completion.logprobs[1]
+        top = sorted(((lp.rank, token, lp.logprob) for token, lp in second.items() if lp.rank <= 5))
+        probs = (torch.tensor([value for _, _, value in top]) / ENGINE_TEMPERATURE).softmax(dim=0)
+        ranked.append(([token for _, token, _ in top], probs))
+    guesses = {tuple(prompt) + (c.token_ids[0],): tokens[0] for c, (tokens, _) in zip(reference, ranked)}
+    config = NGRAM | {"acceptance": "rejection", "num_speculative_tokens": 1}
+    with m7.LLM(tiny_model_path, **limits, speculative_config=config) as llm:
+        llm.engine.speculator.proposer = FavouriteOracle(1, 1, guesses)
+        ours = run(m7, llm, [prompt] * num_requests, settings)
+        stats = llm.engine.spec_stats()
+    assert [c.token_ids[0] for c in ours] == [c.token_ids[0] for c in reference], "the first tokens are m6's"
+    assert stats["num_draft_tokens"] == num_requests, stats
+    assert 0 < stats["num_accepted_tokens"] < num_requests, stats
+    assert any(a.token_ids != b.token_ids for a, b in zip(ours, reference)), "every token is m6's: was a guess judged?"
+
+    def statistic(completions) -> tuple[float, list[int], list[float]]:
+        counts, expected = [0] * 5, [0.0] * 5
+        for completion, (tokens, probs) in zip(completions, ranked):
+            counts[tokens.index(completion.token_ids[1])] += 1
+            expected = [e + float(p) for e, p in zip(expected, probs)]
+        return sum((c - e) ** 2 / e for c, e in zip(counts, expected)), counts, expected
+
+    for name, completions in (("m6", reference), ("m7", ours)):
+        value, counts, expected = statistic(completions)
+        assert value < CHI2_CRITICAL, f"{name}: chi-square {value:.1f} over {CHI2_CRITICAL}: second tokens by rank " \
+            f"{counts}, expected {[round(e, 1) for e in expected]}"
