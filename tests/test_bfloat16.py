@@ -27,6 +27,10 @@ instructions. No request may be preempted there: a preempted request's keys and 
 recomputed in one prefill, where the first time they came one decode at a time, and those round
 differently too (seen here: the tiny llama, m3 with 60 blocks of 4, one request diverging at its
 tenth token).
+
+m7 against m6 is held to the same rule on the bundled model: a checking step computes a request's
+last token and its guesses as one chunk, where m6 computes one token a step, so the same logits
+come out of other sums.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from milestones import m1, m2, m3, m4
+from milestones import m1, m2, m3, m4, m6, m7
 from milestones.m1 import LLM
 from milestones.m1.attention import AttentionContext
 from tests.chain import assert_same_outputs, mixed_workload, run
@@ -214,3 +218,59 @@ def test_the_chain_holds_in_bfloat16_without_preemption(tiny_model_factory, kind
     assert paged.engine.kv_usage()["num_preemptions"] == 0
     ours = run_recording(m4, m4.LLM(path, **limits, **batching), prompts, settings)
     assert_same_up_to_rounding(ours, reference, prompts, settings, report, f"{kind}, m4 vs m2")
+
+
+class LogitsByRow:
+    """``LogitsByContext`` from m6 on, where the sampler reads ``SamplingRow``s: each row's context is taken from the
+    host's sequence when the step is prepared (m7: its guesses included), its logits when the step samples."""
+
+    def __init__(self, runner):
+        self.logits, self.contexts, self.prepare, self.sampler = {}, [], runner.prepare, runner.sampler
+
+    def record_prepare(self, batch):
+        inputs = self.prepare(batch)
+        forward = inputs.forward  # eager steps only (enforce_eager): positions of the rows that sample
+        for seq, row in zip(inputs.sample_seqs, forward.sample_rows):
+            tokens = seq.token_ids + getattr(seq, "draft_token_ids", [])
+            self.contexts.append(tuple(tokens[: forward.positions[row] + 1]))
+        return inputs
+
+    def __call__(self, logits, rows):
+        contexts, self.contexts = self.contexts[: len(rows)], self.contexts[len(rows) :]
+        for row, context in zip(logits, contexts):
+            self.logits[context] = row.float()
+        return self.sampler(logits, rows)
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
+def run_recording_rows(mod, llm, prompts, settings) -> tuple[list, dict]:
+    runner = llm.engine.runner
+    recorder = LogitsByRow(runner)
+    runner.prepare, runner.sampler = recorder.record_prepare, recorder
+    return run(mod, llm, prompts, settings), recorder.logits
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_m7_holds_to_m6_in_bfloat16_on_the_bundled_model(bundled_model_path, method, report):
+    """Real text that repeats (prompt lookup guesses it) and the bundled model as its own draft (nearly every guess
+    right): many rows of a request checked in one step, in bfloat16, greedy and seeded requests."""
+    passage = "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times."
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path)
+    prompts = [tokenizer.encode(text) for text in (f"Copy this sentence exactly.\n{passage}\nCopy: {passage[:20]}",
+                                                   f"Say it again: {passage}\nAgain:", "List three colours:")]
+    settings = [dict(temperature=0, max_tokens=24), dict(temperature=0.8, seed=3, max_tokens=24),
+                dict(temperature=0.7, top_p=0.9, seed=5, max_tokens=16)]
+    limits = dict(device="cpu", dtype="bfloat16", max_model_len=256, max_num_seqs=3, max_num_batched_tokens=64,
+                  enforce_eager=True)
+    speculative = {"method": method, "num_speculative_tokens": 3}
+    speculative |= {"model": str(bundled_model_path)} if method == "draft_model" else {"prompt_lookup_min": 2}
+    reference = run_recording_rows(m6, m6.LLM(bundled_model_path, **limits), prompts, settings)
+    with m7.LLM(bundled_model_path, **limits, speculative_config=speculative) as llm:
+        ours = run_recording_rows(m7, llm, prompts, settings)
+        stats = llm.engine.spec_stats()
+    assert stats["num_accepted_tokens"] > 0, stats
+    assert_same_up_to_rounding(ours, reference, prompts, settings, report, f"SmolLM2-135M, m7 ({method}) vs m6")
+    report(f"  m7 ({method}) in bf16: {stats['num_accepted_tokens']} of {stats['num_draft_tokens']} guesses kept")
