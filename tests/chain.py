@@ -75,6 +75,50 @@ LOGPROB_ATOL = 1e-4
 TOP_RANKS, TAIL_RANK_RTOL = 20, 1e-3
 
 
+# The batching limits of the chain's tiny-model comparisons: five requests a step, chunks of 24 tokens.
+LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+
+
+def stop_rules_from(reference: list[Completion], settings: list[dict], otherwise=lambda i, s: s) -> list[dict]:
+    """Stop rules taken from the middle of what each request generated in ``reference``: a stop token for one request
+    in three, a stop string for the next; the others get ``otherwise(i, settings[i])``."""
+    stopped = []
+    for i, (tokens, _, text, *_) in enumerate(reference):
+        if i % 3 == 1:
+            stopped.append(dict(settings[i], stop_token_ids=[tokens[len(tokens) // 2]]))
+        elif i % 3 == 2 and len(text) > 4:
+            stopped.append(dict(settings[i], stop=[text[len(text) // 2 : len(text) // 2 + 2]]))
+        else:
+            stopped.append(otherwise(i, settings[i]))
+    return stopped
+
+
+def stepped(engine, params, prompts, settings, tolerated: tuple[type[BaseException], ...] = ()) -> StepRun:
+    """The requests run by hand, step by step (m6 on: until the step in flight is processed too), every invariant of
+    the engine checked after every step. A ``tolerated`` exception a step raises is counted, and stepping goes on."""
+    ids = [engine.add_request(p, params(**s)) for p, s in zip(prompts, settings)]
+    finished, failures = {}, 0
+    while engine.has_unfinished_requests() or getattr(engine, "pending", None):
+        try:
+            outputs = engine.step()
+        except tolerated:
+            failures, outputs = failures + 1, []
+        for out in outputs:
+            assert all(t >= 0 for t in out.outputs[0].token_ids), "a future id reached the caller"
+            if out.finished:
+                assert out.request_id not in finished, f"request {out.request_id} finished twice"
+                finished[out.request_id] = out
+        engine.check_integrity()
+    return StepRun(completions([finished[i] for i in ids]), failures)
+
+
+class StepRun(NamedTuple):
+    """What ``stepped`` saw: each request's completion, and how many steps raised a tolerated exception."""
+
+    completions: list[Completion]
+    failures: int
+
+
 def run(mod, llm, prompts, settings) -> list[Completion]:
     """Generate the workload with ``llm``, checking the engine's integrity after every step."""
     engine = llm.engine

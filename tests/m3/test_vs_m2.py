@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 
 from milestones import m2, m3
-from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.chain import LIMITS, assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
-
-LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
 
 
 @pytest.fixture(scope="module")

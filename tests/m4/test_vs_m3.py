@@ -7,9 +7,7 @@ import random
 import pytest
 
 from milestones import m3, m4
-from tests.chain import assert_same_outputs, completions, mixed_workload, run
-
-LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+from tests.chain import LIMITS, assert_same_outputs, completions, mixed_workload, run
 
 
 def shared_prefix_workload(num_requests: int, prefix_len: int, seed: int):

@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from milestones import m4, m5
-from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.chain import LIMITS, assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
 pytestmark = needs_compiler  # torch.compile on a CPU builds C++
-LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
 SIZES = [1, 2, 4]  # a batch of 3 is padded to 4; a batch of 5 runs eagerly
 
 

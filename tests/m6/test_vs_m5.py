@@ -17,11 +17,10 @@ import torch
 
 from milestones import m5, m6
 from milestones.trace import hidden_host_share
-from tests.chain import assert_same_outputs, completions, mixed_workload, run
+from tests.chain import LIMITS, assert_same_outputs, completions, mixed_workload, run, stepped, stop_rules_from
 from tests.conftest import needs_compiler
 from tests.m4.test_vs_m3 import shared_prefix_workload
 
-LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
 EAGER = dict(LIMITS, enforce_eager=True)
 
 
@@ -33,21 +32,6 @@ def mixed():
 @pytest.fixture(scope="module")
 def mixed_reference(tiny_model_path, mixed):
     return run(m5, m5.LLM(tiny_model_path, **EAGER), *mixed)
-
-
-def stepped(llm, prompts, settings):
-    """Run the requests by hand, checking every invariant of the engine after every step."""
-    engine = llm.engine
-    ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
-    finished = {}
-    while engine.has_unfinished_requests() or engine.pending:
-        for out in engine.step():
-            assert all(t >= 0 for t in out.outputs[0].token_ids), "a future id reached the caller"
-            if out.finished:
-                assert out.request_id not in finished, f"request {out.request_id} finished twice"
-                finished[out.request_id] = out
-        engine.check_integrity()
-    return completions([finished[i] for i in ids])
 
 
 def assert_all_blocks_returned(llm):
@@ -95,20 +79,12 @@ def test_trap_every_request_finishes_at_a_different_step(tiny_model_path):
     greedy = [dict(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(8)]
     small_blocks = dict(EAGER, block_size=4)  # so that many lag tokens would complete a block
     reference = run(m5, m5.LLM(tiny_model_path, **small_blocks), prompts, greedy)
-    # Stop on a token, and on a string, taken from the middle of what each request generates.
-    settings = []
-    for i, (tokens, _, text, *_) in enumerate(reference):
-        if i % 3 == 1:
-            settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
-        elif i % 3 == 2 and len(text) > 4:
-            settings.append(dict(greedy[i], stop=[text[len(text) // 2 : len(text) // 2 + 2]]))
-        else:
-            settings.append(greedy[i])
+    settings = stop_rules_from(reference, greedy)  # a token, and a string, from the middle of what each generates
     reference_llm = m5.LLM(tiny_model_path, **small_blocks)  # a fresh cache, to compare with m6's at the end
     reference = run(m5, reference_llm, prompts, settings)
     assert {done.finish_reason for done in reference} == {"stop", "length"}
     with m6.LLM(tiny_model_path, async_scheduling=True, **small_blocks) as llm:
-        ours = stepped(llm, prompts, settings)
+        ours = stepped(llm.engine, m6.SamplingParams, prompts, settings).completions
         assert_same_outputs(ours, reference)
         # A finished request caches what m5 would: not the token its lag step was computing.
         assert llm.engine.kv_usage()["blocks_cached"] == reference_llm.engine.kv_usage()["blocks_cached"]
@@ -210,19 +186,9 @@ def test_a_failed_step_is_undone_so_stepping_on_gives_m5s_tokens(tiny_model_path
             return real_run(inputs)
 
         engine.runner.execute = fails_once
-        prompts, settings = mixed
-        ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
-        finished, failures = {}, 0
-        while engine.has_unfinished_requests() or engine.pending:
-            try:
-                outputs = engine.step()
-            except RuntimeError:
-                failures += 1
-                outputs = []
-            finished.update((out.request_id, out) for out in outputs if out.finished)
-            engine.check_integrity()
+        ours, failures = stepped(engine, m6.SamplingParams, *mixed, tolerated=(RuntimeError,))
         assert failures == 1
-        assert_same_outputs(completions([finished[i] for i in ids]), mixed_reference)
+        assert_same_outputs(ours, mixed_reference)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -261,19 +227,9 @@ def test_an_interrupted_wait_loses_no_step(tiny_model_path, mixed, mixed_referen
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
         engine = llm.engine
         engine.worker.results = InterruptedOnce(engine.worker.results, at_wait=7)
-        prompts, settings = mixed
-        ids = [engine.add_request(p, m6.SamplingParams(**s)) for p, s in zip(prompts, settings)]
-        finished, interruptions = {}, 0
-        while engine.has_unfinished_requests() or engine.pending:
-            try:
-                outputs = engine.step()
-            except KeyboardInterrupt:
-                interruptions += 1
-                outputs = []
-            finished.update((out.request_id, out) for out in outputs if out.finished)
-            engine.check_integrity()
+        ours, interruptions = stepped(engine, m6.SamplingParams, *mixed, tolerated=(KeyboardInterrupt,))
         assert interruptions == 1
-        assert_same_outputs(completions([finished[i] for i in ids]), mixed_reference)
+        assert_same_outputs(ours, mixed_reference)
 
 
 class InterruptedOnce:

@@ -20,10 +20,11 @@ from milestones.m7.config import default_capture_sizes
 from milestones.m7.proposer import NgramProposer
 from milestones.m7.sequence import Sequence
 from milestones.m7.step import DecodeInputs
-from tests.chain import Completion, assert_same_outputs, completions, mixed_workload, run
+from tests.chain import LIMITS as CHAIN_LIMITS
+from tests.chain import Completion, assert_same_outputs, completions, mixed_workload, run, stop_rules_from
 from tests.conftest import needs_compiler
 
-LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24, enforce_eager=True)
+LIMITS = dict(CHAIN_LIMITS, enforce_eager=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
@@ -149,14 +150,7 @@ def test_every_stop_rule_inside_an_accepted_run(tiny_model_path):
     greedy = [dict({k: v for k, v in s.items() if k != "structured_outputs"}, temperature=0, max_tokens=30,
                    ignore_eos=True) for s in greedy]  # a structured output ends by EOS
     base = run(m6, m6.LLM(tiny_model_path, **LIMITS), prompts, greedy)
-    settings = []
-    for i, (tokens, _, text, *_) in enumerate(base):
-        if i % 3 == 1:
-            settings.append(dict(greedy[i], stop_token_ids=[tokens[len(tokens) // 2]]))
-        elif i % 3 == 2 and len(text) > 4:
-            settings.append(dict(greedy[i], stop=[text[len(text) // 2 : len(text) // 2 + 2]]))
-        else:
-            settings.append(dict(greedy[i], max_tokens=5 + i))
+    settings = stop_rules_from(base, greedy, otherwise=lambda i, s: dict(s, max_tokens=5 + i))
     reference_llm = m6.LLM(tiny_model_path, **LIMITS)
     reference = run(m6, reference_llm, prompts, settings)
     with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), prompts, reference) as llm:
