@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 
 import pytest
@@ -23,7 +24,11 @@ LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_t
 OPTIONS = [
     dict(),  # the pool as m6 sizes it, prefix caching on
     dict(enable_prefix_caching=False),
-    dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and guess again
+    # A tight pool: requests are preempted and guess again. It holds twice the longest request that asks for its
+    # prompt's log-probabilities (23 blocks): such a request matches nothing in the cache, and when it computes its
+    # prefix again, it locks the cached copy as well as its own (m4's scheduler), so a pool that cannot hold both
+    # preempts it over and over (m6 on this workload with 24 blocks never ends).
+    dict(num_kv_blocks=46, block_size=4),
 ]
 IDS = ["default", "no-prefix-cache", "tight-pool"]
 
@@ -85,9 +90,10 @@ def test_each_guess_is_what_the_draft_model_itself_would_say(tiny_model_path, on
         proposer = llm.engine.speculator.proposer
         propose = proposer.propose_batch
 
-        def recorded(seqs, tables, rooms):
-            guesses = propose(seqs, tables, rooms)
-            proposals.extend((list(seq.token_ids), seq.params, seq.seed, list(g)) for seq, g in zip(seqs, guesses))
+        def recorded(batch):
+            guesses = propose(batch)
+            proposals.extend((list(batch.seqs[row].token_ids), batch.seqs[row].params, batch.seqs[row].seed, list(g))
+                             for row, g in guesses.items())
             return guesses
 
         proposer.propose_batch = recorded
@@ -101,6 +107,78 @@ def test_each_guess_is_what_the_draft_model_itself_would_say(tiny_model_path, on
     for (tokens, _, _, guesses), out in zip(proposals, outs):
         assert guesses == list(out.outputs[0].token_ids), f"after {len(tokens)} tokens the draft guessed {guesses}, " \
             f"but the draft model alone says {list(out.outputs[0].token_ids)}"
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(length)]
+
+
+def test_parallel_samples_share_their_prompt_in_the_cache_as_in_m6(tiny_model_path, one_layer_draft):
+    """n samples: the first computes the prompt, the others follow once its blocks are cached and share them (m4). The
+    draft computes the prompt's chunks beside the target, so the blocks are cached as soon as in m6."""
+    prompt, settings = prompt_of(150, seed=11), dict(n=4, max_tokens=12, temperature=0.8, seed=3)
+    outputs, cached = {}, {}
+    for mod, options in [(m6, {}), (m7, dict(speculative_config=draft(one_layer_draft)))]:
+        with mod.LLM(tiny_model_path, **LIMITS, **options) as llm:
+            outputs[mod] = run(mod, llm, [prompt], [settings])
+            cached[mod] = llm.engine.scheduler.num_cached_tokens
+    assert_same_outputs(outputs[m7], outputs[m6], [settings])
+    assert cached[m7] == cached[m6] == 3 * 144, f"prompt tokens the samples found cached: {cached[m7]} in m7 with a " \
+        f"draft, {cached[m6]} in m6: the 9 full blocks of the prompt for each sample after the first"
+
+
+@pytest.mark.parametrize("why", ["structured", "busy"])
+def test_a_request_that_never_guesses_has_its_prompt_cached(tiny_model_path, one_layer_draft, why):
+    """A structured request gets no guesses, nor does any request in a step of disable_by_batch_size requests. The
+    draft computes their chunks all the same, so their blocks are cached, and a later request with the same prompt
+    finds them there, as in m6."""
+    prompt = prompt_of(100, seed=12)
+    first = dict(max_tokens=8, temperature=0)
+    speculative = draft(one_layer_draft)
+    if why == "structured":
+        first.update(structured_outputs={"regex": "[0-9]{3}-[0-9]{4}"})
+    else:
+        speculative.update(disable_by_batch_size=1)  # every step has a request: nothing guesses
+    cached = {}
+    for mod, options in [(m6, {}), (m7, dict(speculative_config=speculative))]:
+        with mod.LLM(tiny_model_path, **LIMITS, **options) as llm:
+            run(mod, llm, [prompt], [first])
+            run(mod, llm, [prompt + [7]], [dict(max_tokens=2, temperature=0)])
+            cached[mod] = llm.engine.scheduler.num_cached_tokens
+            if mod is m7:
+                assert llm.engine.spec_stats()["num_draft_tokens"] == 0, "a request guessed: the test needs none"
+    assert cached[m7] == cached[m6] == 96, f"the second request found {cached[m7]} prompt tokens cached in m7 with " \
+        f"a draft, {cached[m6]} in m6: the 6 full blocks of the first one's prompt"
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_kv_blocks=30, block_size=4)], ids=["default", "tight-pool"])
+def test_each_draft_pass_stays_within_the_step_budget(tiny_model_path, options):
+    """Long prompts and a budget of 32 tokens: the draft computes the target's chunks, so a forward pass of the draft
+    never takes more than the budget, but for one token a request (the last guess of a step whose guesses were all
+    kept: the model as its own draft has every guess kept). After a preemption it computes the prompt again in the
+    target's chunks too, not all at once."""
+    rng = random.Random(13)
+    longest = 90 if options else 200
+    prompts = [prompt_of(rng.randint(longest - 30, longest), seed=i) for i in range(5)]
+    passes = []  # (tokens, requests) of each forward pass of the draft
+    with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(tiny_model_path)) as llm:
+        runner = llm.engine.speculator.proposer.runner
+        prepare = runner.prepare
+
+        def counted(batch):
+            passes.append((sum(batch.num_new_tokens), len(batch.seqs)))
+            return prepare(batch)
+
+        runner.prepare = counted
+        run(m7, llm, prompts, [dict(max_tokens=20, temperature=0, ignore_eos=True)] * len(prompts))
+        if options:
+            assert llm.engine.kv_usage()["num_preemptions"] > 0
+    budget = LIMITS["max_num_batched_tokens"]
+    over = [(tokens, requests) for tokens, requests in passes if tokens > budget + requests]
+    assert not over, f"draft passes of (tokens, requests) {over[:5]} exceed the budget of {budget} tokens by more " \
+        "than a token a request"
+    assert max(tokens for tokens, _ in passes) >= budget, "no pass took a whole budget: the prompts were too short"
 
 
 def test_first_layers_copy_keeps_the_first_layers(tiny_model_path, one_layer_draft):
