@@ -91,7 +91,7 @@ class DraftModelProposer:
             for i in active:
                 view = views[i]
                 view.num_computed_tokens = len(view.token_ids)
-                if view.room:  # its last row sampled: the rows that did, in order
+                if view.room:  # its last row sampled (the tokens come in the order of the rows that did)
                     token = next(tokens)
                     view.token_ids.append(token)
                     guesses[i].append(token)

@@ -36,7 +36,7 @@ def roll_back(failed: LaunchedStep, pending: LaunchedStep | None, scheduler: Sch
         for seq, computed in zip(launched.seqs, launched.num_computed_before):
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens = computed
-                seq.num_drafted_tokens = min(seq.num_drafted_tokens, computed)  # m7: a draft ran the chunk too
+                seq.num_drafted_tokens = min(seq.num_drafted_tokens, computed)  # m7: the draft computes it again too
         for seq, index in zip(launched.sample_seqs, launched.token_indices):
             if index < seq.num_tokens:  # m7: a request's first row undoes its later ones too
                 seq.num_pending_tokens -= seq.num_tokens - index  # its future id, and any of a later step undone

@@ -17,8 +17,12 @@ import shutil
 import pytest
 
 from milestones import m6, m7
+from milestones.m7.config import SpeculativeConfig
+from milestones.m7.detokenizer import IncrementalDetokenizer
+from milestones.m7.scheduler import Scheduler
+from milestones.m7.sequence import Sequence
 from milestones.model_store import first_layers_copy
-from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.chain import assert_same_outputs, completions, mixed_workload, run
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=32, enforce_eager=True)
 OPTIONS = [
@@ -179,6 +183,68 @@ def test_each_draft_pass_stays_within_the_step_budget(tiny_model_path, options):
     assert not over, f"draft passes of (tokens, requests) {over[:5]} exceed the budget of {budget} tokens by more " \
         "than a token a request"
     assert max(tokens for tokens, _ in passes) >= budget, "no pass took a whole budget: the prompts were too short"
+
+
+def test_a_failed_step_is_undone_for_the_draft_too(tiny_model_path):
+    """A step raises while one request decodes and another is in the middle of its prompt. The draft computed both
+    chunks before the launch; its count goes back with the target's (roll_back), so it computes them again with the
+    target, every guess of the model as its own draft is still kept, and the tokens are m6's."""
+    prompts = [prompt_of(20, seed=21), prompt_of(150, seed=22)]
+    settings = [dict(max_tokens=16, temperature=0, ignore_eos=True),
+                dict(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)]
+    with m6.LLM(tiny_model_path, **LIMITS) as llm:
+        reference = run(m6, llm, prompts, settings)
+    with m7.LLM(tiny_model_path, **LIMITS, speculative_config=draft(tiny_model_path)) as llm:
+        engine, failed = llm.engine, []
+        real_execute = engine.runner.execute
+
+        def fails_once(inputs):
+            sampling = len({id(seq) for seq in inputs.sample_seqs})
+            if 0 < sampling < inputs.num_seqs and not failed:  # a request samples, another is inside its prompt
+                failed.append(inputs)
+                raise RuntimeError("injected failure in a step that computes a prompt chunk")
+            return real_execute(inputs)
+
+        engine.runner.execute = fails_once
+        ids = [engine.add_request(p, m7.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        finished = {}
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except RuntimeError:
+                outputs = []
+            finished.update((out.request_id, out) for out in outputs if out.finished)
+            engine.check_integrity()  # the draft's count at the target's, or one behind
+        assert failed, "no step both decoded and computed a prompt chunk: nothing was undone"
+        assert_same_outputs(completions([finished[i] for i in ids]), reference, settings)
+        stats = engine.spec_stats()
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0, f"a guess was rejected: {stats}"
+
+
+def test_a_block_waits_for_the_drafts_last_guess_before_it_is_cached():
+    """After a step whose guesses were all kept, the draft has not fed the last guess: the block that ends with it is
+    cached once the draft has written it too (in the request's next step), not as soon as the target has. A request
+    that found the block sooner would have its draft read a slot nobody wrote."""
+    speculative = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+    scheduler = Scheduler(m7.EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=4,
+                                          num_kv_blocks=16, speculative_config=speculative))
+    prompt = list(range(100, 110))
+    seq = Sequence("r", None, prompt, m7.SamplingParams(max_tokens=20), 0, IncrementalDetokenizer(None, prompt, []))
+    scheduler.add(seq)
+    scheduler.schedule()  # admitted: its 10 prompt tokens
+    seq.token_ids += list(range(200, 207))  # 17 tokens: the first one sampled, then 3 guesses kept and the bonus
+    scheduler.block_manager.grow(seq.request_id, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_processed_tokens = 16  # the target wrote positions 0 to 15
+    seq.num_drafted_tokens = 15  # the draft has not fed the last guess, at position 15: the end of the 4th block
+    scheduler._cache(seq)
+    assert scheduler.locked_tokens[seq.request_id] == 12, (
+        f"{scheduler.locked_tokens[seq.request_id]} tokens cached, expected 12: the 4th block ends with a slot the "
+        "draft has not written, so it waits (the smaller of num_processed_tokens and num_drafted_tokens)"
+    )
+    seq.num_drafted_tokens = 16  # the request's next step: the draft feeds the last guess with the bonus token
+    scheduler._cache(seq)
+    assert scheduler.locked_tokens[seq.request_id] == 16
+    scheduler.check_integrity()
 
 
 def test_first_layers_copy_keeps_the_first_layers(tiny_model_path, one_layer_draft):
