@@ -546,8 +546,27 @@ CATALOGUE = (
     Mutation(
         "m7-cache-blocks-the-draft-never-wrote", "milestones/m7/scheduler.py",
         "            written = min(written, seq.num_drafted_tokens)\n", "            pass\n",
-        ("tests/m7/test_draft_model.py::test_the_model_as_its_own_draft_has_every_guess_kept",),
+        ("tests/m7/test_draft_model.py::test_a_block_waits_for_the_drafts_last_guess_before_it_is_cached",),
         "the prefix cache takes blocks whose draft-model keys and values were never written",
+    ),
+    Mutation(
+        "m7-draft-only-when-guessing", "milestones/m7/engine.py",
+        "        if batch is not None:\n            self.speculator.propose(batch)",
+        "        if batch is not None and batch.guess_rooms:\n            self.speculator.propose(batch)",
+        ("tests/m7/test_draft_model.py::test_a_request_that_never_guesses_has_its_prompt_cached",),
+        "the draft runs only in steps with guesses, so the blocks of requests that never guess are never cached",
+    ),
+    Mutation(
+        "m7-draft-whole-prompt-at-once", "milestones/m7/drafter.py",
+        "DraftView(seq.token_ids[: seq.num_computed_tokens + num_new],", "DraftView(list(seq.token_ids),",
+        ("tests/m7/test_draft_model.py::test_each_draft_pass_stays_within_the_step_budget",),
+        "the draft computes the rest of a request's prompt at once, not the target's chunk, past the step's budget",
+    ),
+    Mutation(
+        "m7-draft-count-kept-after-a-failed-step", "milestones/m7/rollback.py",
+        "                seq.num_drafted_tokens = min(seq.num_drafted_tokens, computed)", "                pass",
+        ("tests/m7/test_draft_model.py::test_a_failed_step_is_undone_for_the_draft_too",),
+        "a step that raises is undone for the target only: the draft counts the chunk as computed, ahead of it",
     ),
     Mutation(
         "m7-guess-row-reads-later-guesses", "milestones/m7/model_runner.py",

@@ -51,17 +51,20 @@ STEPS: tuple[Step, ...] = (
                    "the same for its rows: the host grows the live one while the step runs), context length p + "
                    "1, and seq in the returned sample_seqs. Return `(DecodeInputs(...), sample_seqs)`."),)),
     Step("a draft model guesses, in the requests' own blocks", ("tests/m7/test_draft_model.py",),
-         "the draft computes what it has not seen (from num_drafted_tokens), then one guess per forward; a "
-         "rejected guess's slot holds another token afterwards, so trim (step 2) counts the draft's KV back",
+         "the draft computes what the target computes every step (from num_drafted_tokens to the end of each "
+         "row's chunk), with the first guesses, then one guess per forward; a rejected guess's slot holds "
+         "another token afterwards, so trim (step 2) counts the draft's KV back",
          (Exercise("drafter.py", "draft_model", ("DraftModelProposer.propose_batch",),
-                   "give each request a `DraftView(list(seq.token_ids), seq.num_drafted_tokens, seq.params, "
-                   "seq.seed)`, the draft's copy computed up to num_drafted_tokens. While some request has "
-                   "fewer than rooms[i] guesses, one forward of the draft over those: "
-                   "`self.runner.execute(self.runner.prepare(ScheduledBatch(views, new tokens, tables)))`, new "
-                   "tokens being each view's tokens not yet computed, gives one token per view (sampled by the "
-                   "request's own rules): the view is now computed to its end, and the token is appended to it "
-                   "and to the request's guesses. Then set each `seq.num_drafted_tokens` to its view's "
-                   "num_computed_tokens and return the guesses."),)),
+                   "give each row a `DraftView(seq.token_ids[:end], seq.num_drafted_tokens, params, seq.seed, "
+                   "seq.prompt_token_ids, room)`, end being num_computed_tokens + the row's num_new_tokens, params "
+                   "without logprobs or prompt_logprobs, room `batch.guess_rooms.get(row, 0)`. While some view is "
+                   "active (first all of them, then those with room left), one forward of the draft over them: "
+                   "`self.runner.execute(sampling_guesses_only(self.runner.prepare(ScheduledBatch(views, new "
+                   "tokens, tables))))`, new tokens being each view's tokens not yet computed, gives one token per "
+                   "view with room, in order (sampled by the request's own rules): every view is now computed to "
+                   "its end, and a view with room appends its token, adds it to its row's guesses and has one "
+                   "less room. Then set each `seq.num_drafted_tokens` to its view's num_computed_tokens and "
+                   "return the guesses, `{row: [...]}` for every row with room."),)),
     Step("rejection sampling: the model's distribution, not m6's tokens", ("tests/m7/test_rejection.py",),
          "keep a guess when u * q(guess) < p(guess); otherwise draw from max(p - q, 0), never from p itself",
          (Exercise("sampler.py", "rejection_sample", ("rejection_sample",),

@@ -3,11 +3,12 @@
 The draft runs on a KV pool of its own, shaped like the target's and addressed by the very same
 block tables (a block id names the same token slots in both pools). So what rolls back a rejected
 guess in the target's tables rolls it back in the draft's too, and a block the prefix cache shares
-holds both models' keys and values. In each step it guesses k tokens for every decoding request in
-k batched forward passes: the first catches up on the tokens the draft has not seen (the last one,
-and the bonus token of a step whose guesses were all kept), each later one feeds the guess before.
-Its picks follow the target's sampling rules with the same (seed, position) noise, so a draft that
-agrees with the target guesses exactly the target's tokens.
+holds both models' keys and values. The draft follows every step: its first forward pass computes
+the chunks the target computes (prompt chunks and decode tokens, within the step's budget), so its
+keys and values keep up with the target's, and samples each guessing request's first guess; each
+later pass feeds the guess before and samples the next. Its picks follow the target's sampling
+rules with the same (seed, position) noise, so a draft that agrees with the target guesses
+exactly the target's tokens.
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ from .model import ModelConfig
 from .model_runner import ModelRunner
 from .proposer import NgramProposer
 from .sampling_params import SamplingParams
-from .sequence import Sequence
-from .step import ScheduledBatch
+from .step import ScheduledBatch, StepInputs
 
 
 @dataclass(slots=True)
 class DraftView:
-    """A request as the draft's runner reads it: its tokens and the guesses so far, and how many the draft computed."""
+    """A request as the draft's runner reads it: its tokens to the end of the step's chunk and the guesses so far,
+    how many the draft computed, and how many it may still guess."""
 
     token_ids: list[int]
     num_computed_tokens: int
     params: SamplingParams
     seed: int
     prompt_token_ids: list[int]  # the penalties' history starts after these, as the target's does
+    room: int  # guesses still to make (0: the row only keeps the draft's keys and values up with the target's)
     draft_token_ids: list[int] = field(default_factory=list)  # always empty: the draft checks no guesses of its own
     grammar: None = None  # never: a structured request gets no guesses
 
@@ -65,28 +67,51 @@ class DraftModelProposer:
         # The same pool size and block size as the target's (num_kv_blocks is resolved by now): the same tables.
         self.runner = ModelRunner(replace(config, enforce_eager=True, speculative_config=None), model_config, path)
 
-    def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
-        """Up to ``rooms[i]`` guesses for request i, whose block table ``tables[i]`` has the slots for them."""
-        # The draft computes what it has not seen: at least the last token, sampled after its previous guesses.
-        unscored = [replace(seq.params, logprobs=None, prompt_logprobs=None) for seq in seqs]  # a guess's are nobody's
-        views = [DraftView(list(seq.token_ids), seq.num_drafted_tokens, params, seq.seed, seq.prompt_token_ids)
-                 for seq, params in zip(seqs, unscored)]
-        guesses: list[list[int]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        while active:  # k forward passes: everyone's catch-up and first guess, then a guess each
-            batch = ScheduledBatch([views[i] for i in active],
-                                   [len(views[i].token_ids) - views[i].num_computed_tokens for i in active],
-                                   [tables[i] for i in active])
-            tokens = self.runner.execute(self.runner.prepare(batch)).tokens.tolist()
-            for i, token in zip(active, tokens):
-                views[i].num_computed_tokens = len(views[i].token_ids)
-                views[i].token_ids.append(token)
-                guesses[i].append(token)
-            active = [i for i in active if len(guesses[i]) < rooms[i]]
-        for seq, view in zip(seqs, views):
+    def propose_batch(self, batch: ScheduledBatch) -> dict[int, list[int]]:
+        """Compute what the target computes in this step, and up to ``batch.guess_rooms[row]`` guesses for each row
+        with room. Every step, guessing or not: a block the target writes, the draft writes too, so it may be cached.
+
+        The first forward pass takes each row's chunk as the scheduler planned it (within the step's budget), and the
+        rows with room sample their first guess there; each later pass feeds the guess before and samples the next.
+        The draft is at most one token behind: after a step whose guesses were all kept, the last guess was sampled but
+        never fed, so the first pass feeds it before the bonus token, one token a request beyond the budget."""
+        views = []
+        for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            unscored = replace(seq.params, logprobs=None, prompt_logprobs=None)  # a guess's are nobody's
+            views.append(DraftView(seq.token_ids[: seq.num_computed_tokens + num_new], seq.num_drafted_tokens,
+                                   unscored, seq.seed, seq.prompt_token_ids, batch.guess_rooms.get(row, 0)))
+        guesses: dict[int, list[int]] = {row: [] for row in batch.guess_rooms}
+        active = list(range(len(views)))
+        while active:  # everyone's chunk and the first guesses, then a guess each for the rows with room left
+            step = self.runner.prepare(ScheduledBatch([views[i] for i in active],
+                                                      [len(views[i].token_ids) - views[i].num_computed_tokens
+                                                       for i in active],
+                                                      [batch.block_tables[i] for i in active]))
+            tokens = iter(self.runner.execute(sampling_guesses_only(step)).tokens.tolist())
+            for i in active:
+                view = views[i]
+                view.num_computed_tokens = len(view.token_ids)
+                if view.room:  # its last row sampled (the tokens come in the order of the rows that did)
+                    token = next(tokens)
+                    view.token_ids.append(token)
+                    guesses[i].append(token)
+                    view.room -= 1
+            active = [i for i in active if views[i].room]
+        for seq, view in zip(batch.seqs, views):
             seq.num_drafted_tokens = view.num_computed_tokens
         return guesses
 # --8<-- [end:draft_model]
+
+
+def sampling_guesses_only(step: StepInputs) -> StepInputs:
+    """The pass without the picks of rows that guess nothing: the runner samples after every chunk that reaches the
+    end of its view, and those tokens would be thrown away (a pass in which no row guesses skips the LM head)."""
+    keep = [i for i, view in enumerate(step.sample_seqs) if view.room]
+    forward = step.forward  # eager: the draft's runner replays no graph
+    forward.sample_rows, forward.sample_seqs, step.samples, step.future_ids = (
+        [items[i] for i in keep] for items in (forward.sample_rows, forward.sample_seqs, step.samples, step.future_ids))
+    step.sample_seqs = forward.sample_seqs
+    return step
 
 
 def make_proposer(config: EngineConfig, tokenizer, target: ModelConfig) -> NgramProposer | DraftModelProposer | None:

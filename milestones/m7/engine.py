@@ -143,8 +143,8 @@ class LLMEngine:
         """Schedule and launch step N+1, then process step N: the host's work while N+1 computes."""
         start = self.tracer.now()
         batch = self.scheduler.schedule()  # with overlap: while step N is still computing
-        if batch is not None and batch.guess_rooms:
-            self.speculator.propose(batch)  # m7: guesses fill the room the scheduler kept for them
+        if batch is not None:
+            self.speculator.propose(batch)  # m7: guesses fill the room kept for them; a draft model runs every step
         ongoing = self._launch(batch, start) if batch is not None else None
         if self.config.async_scheduling:
             last, self.pending = self.pending, ongoing  # the lag: this call processes the step launched by the last

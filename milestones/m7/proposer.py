@@ -5,10 +5,10 @@ or edits a given text repeats it, so the tokens that followed the last time the
 request's latest few tokens appeared are a good guess for what follows now. A guess
 costs no forward pass; the target model checks every guessed token of a request in one
 step, and a wrong guess costs only the extra rows of that step. ``drafter.py`` has the
-other proposer, a smaller model; the engine asks either through ``propose_batch``
-(``speculation.py``), into the room the scheduler kept. ``propose`` says what prompt lookup
-guesses; ``look_up`` gives the same guesses step after step from an index kept on the
-request, without reading its whole history each time.
+other proposer, a smaller model; the engine hands either the step's batch through
+``propose_batch`` (``speculation.py``), for guesses in the room the scheduler kept.
+``propose`` says what prompt lookup guesses; ``look_up`` gives the same guesses step after
+step from an index kept on the request, without reading its whole history each time.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .sequence import Sequence
+from .step import ScheduledBatch
 
 
 # --8<-- [start:ngram]
@@ -45,10 +46,10 @@ class NgramProposer:
     min_lookahead: ClassVar[int] = 1  # a lookup that finds nothing costs nothing: never stop looking
 
     # --8<-- [start:propose_batch]
-    def propose_batch(self, seqs: list[Sequence], tables: list[list[int]], rooms: list[int]) -> list[list[int]]:
-        """Each request's guesses, from its own tokens alone (the blocks are for a proposer that runs a model): what
-        ``propose`` gives, read from the request's index rather than a scan of its whole history."""
-        return [self.look_up(seq, room) for seq, room in zip(seqs, rooms)]
+    def propose_batch(self, batch: ScheduledBatch) -> dict[int, list[int]]:
+        """The guesses of each row with room (``batch.guess_rooms``), from its request's tokens alone: what ``propose``
+        gives, read from the request's index rather than a scan of its whole history. Rows without room cost nothing."""
+        return {row: self.look_up(batch.seqs[row], room) for row, room in batch.guess_rooms.items()}
 
     def look_up(self, seq: Sequence, num_tokens: int) -> list[int]:
         """``propose(seq.token_ids, num_tokens)`` from ``seq.ngram_index``, which maps each run of min_n..max_n of its

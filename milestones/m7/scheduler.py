@@ -172,7 +172,9 @@ class Scheduler:
 
         Only blocks of processed steps: a step still in flight may yet fail, and a block in the tree must hold
         its keys and values for good. m7: processed tokens are kept ones (a rejected guess lowers the count), and
-        with a draft model a block goes in only once the draft wrote it too."""
+        with a draft model a block goes in only once the draft wrote it too. The draft computes every chunk the
+        target does, so that holds back only a block that ends with the last guess of a step whose guesses were
+        all kept: the draft feeds that guess in the request's next step."""
         if self.tree is None:
             return
         written = seq.num_processed_tokens
@@ -249,11 +251,19 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Every request's state agrees with where it sits and its blocks hold what it computed; free + cached +
-        in-use blocks = the pool, the tree is well formed, and (m7) no request holds blocks past its tokens."""
+        in-use blocks = the pool, the tree is well formed, and (m7) no request holds blocks past its tokens, and a
+        draft model keeps up with the target."""
         check_sequences(self.running, list(self.waiting), self.config.max_model_len)
         tables = self.block_manager.block_tables
         assert set(tables) == {seq.request_id for seq in self.running}, "a block table has no running request"
+        speculative = self.config.speculative_config
+        drafting = speculative is not None and speculative.method == "draft_model"
         for seq in self.running:
+            assert not drafting or seq.num_computed_tokens - 1 <= seq.num_drafted_tokens <= seq.num_computed_tokens, (
+                f"request {seq.request_id!r}: the draft computed {seq.num_drafted_tokens} tokens and the target "
+                f"{seq.num_computed_tokens}: the draft computes every chunk the target does, behind it only by the "
+                "last guess of a step whose guesses were all kept (m7)"
+            )
             assert len(tables[seq.request_id]) >= self.block_manager.blocks_needed(seq.num_computed_tokens), (
                 f"request {seq.request_id!r} computed more tokens than its blocks hold"
             )

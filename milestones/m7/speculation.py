@@ -1,9 +1,10 @@
 """m7's phase of a step: guesses in before the launch, checked once the step's picks arrive.
 
 The scheduler keeps room for each decoding request's guesses (budget and blocks: bookkeeping,
-torch-free); ``Speculator.propose`` asks the proposer to fill it, and ``Speculator.check``
-decides each guess when the pick of the row that read the token before it is known. It also
-counts, in one place, the guesses made and kept (``LLMEngine.spec_stats``).
+torch-free); ``Speculator.propose`` asks the proposer to fill it, every step (a draft model
+computes the step's chunks too, room or not), and ``Speculator.check`` decides each guess
+when the pick of the row that read the token before it is known. It also counts, in one
+place, the guesses made and kept (``LLMEngine.spec_stats``).
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ class Speculator:
 
     # --8<-- [start:propose]
     def propose(self, batch: ScheduledBatch) -> None:
-        """Each request's guesses, as many as the scheduler kept room for, join the step after its last token."""
-        rows, rooms = list(batch.guess_rooms), list(batch.guess_rooms.values())
-        seqs, tables = [batch.seqs[i] for i in rows], [batch.block_tables[i] for i in rows]
-        for row, seq, guesses in zip(rows, seqs, self.proposer.propose_batch(seqs, tables, rooms)):
+        """Each request's guesses, as many as the scheduler kept room for, join the step after its last token. The
+        proposer sees every step, with room or without: a draft model computes the step's chunks to keep up."""
+        if self.proposer is None:
+            return
+        for row, guesses in self.proposer.propose_batch(batch).items():
             self.scheduler.add_guesses(batch, row, guesses)
-            seq.metrics.num_draft_tokens += len(guesses)
+            batch.seqs[row].metrics.num_draft_tokens += len(guesses)
             self.num_draft_tokens += len(guesses)
             self.num_guessing += bool(guesses)
     # --8<-- [end:propose]

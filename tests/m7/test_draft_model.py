@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import shutil
 
 import pytest
 
 from milestones import m6, m7
+from milestones.m7.config import SpeculativeConfig
+from milestones.m7.detokenizer import IncrementalDetokenizer
+from milestones.m7.scheduler import Scheduler
+from milestones.m7.sequence import Sequence
 from milestones.model_store import first_layers_copy
-from tests.chain import assert_same_outputs, mixed_workload, run
+from tests.chain import assert_same_outputs, completions, mixed_workload, run
 
 LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=32, enforce_eager=True)
 OPTIONS = [
     dict(),  # the pool as m6 sizes it, prefix caching on
     dict(enable_prefix_caching=False),
-    dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and guess again
+    # A tight pool: requests are preempted and guess again. It holds twice the longest request that asks for its
+    # prompt's log-probabilities (23 blocks): such a request matches nothing in the cache, and when it computes its
+    # prefix again, it locks the cached copy as well as its own (m4's scheduler), so a pool that cannot hold both
+    # preempts it over and over (m6 on this workload with 24 blocks never ends).
+    dict(num_kv_blocks=46, block_size=4),
 ]
 IDS = ["default", "no-prefix-cache", "tight-pool"]
 
@@ -85,9 +94,10 @@ def test_each_guess_is_what_the_draft_model_itself_would_say(tiny_model_path, on
         proposer = llm.engine.speculator.proposer
         propose = proposer.propose_batch
 
-        def recorded(seqs, tables, rooms):
-            guesses = propose(seqs, tables, rooms)
-            proposals.extend((list(seq.token_ids), seq.params, seq.seed, list(g)) for seq, g in zip(seqs, guesses))
+        def recorded(batch):
+            guesses = propose(batch)
+            proposals.extend((list(batch.seqs[row].token_ids), batch.seqs[row].params, batch.seqs[row].seed, list(g))
+                             for row, g in guesses.items())
             return guesses
 
         proposer.propose_batch = recorded
@@ -101,6 +111,140 @@ def test_each_guess_is_what_the_draft_model_itself_would_say(tiny_model_path, on
     for (tokens, _, _, guesses), out in zip(proposals, outs):
         assert guesses == list(out.outputs[0].token_ids), f"after {len(tokens)} tokens the draft guessed {guesses}, " \
             f"but the draft model alone says {list(out.outputs[0].token_ids)}"
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(length)]
+
+
+def test_parallel_samples_share_their_prompt_in_the_cache_as_in_m6(tiny_model_path, one_layer_draft):
+    """n samples: the first computes the prompt, the others follow once its blocks are cached and share them (m4). The
+    draft computes the prompt's chunks beside the target, so the blocks are cached as soon as in m6."""
+    prompt, settings = prompt_of(150, seed=11), dict(n=4, max_tokens=12, temperature=0.8, seed=3)
+    outputs, cached = {}, {}
+    for mod, options in [(m6, {}), (m7, dict(speculative_config=draft(one_layer_draft)))]:
+        with mod.LLM(tiny_model_path, **LIMITS, **options) as llm:
+            outputs[mod] = run(mod, llm, [prompt], [settings])
+            cached[mod] = llm.engine.scheduler.num_cached_tokens
+    assert_same_outputs(outputs[m7], outputs[m6], [settings])
+    assert cached[m7] == cached[m6] == 3 * 144, f"prompt tokens the samples found cached: {cached[m7]} in m7 with a " \
+        f"draft, {cached[m6]} in m6: the 9 full blocks of the prompt for each sample after the first"
+
+
+@pytest.mark.parametrize("why", ["structured", "busy"])
+def test_a_request_that_never_guesses_has_its_prompt_cached(tiny_model_path, one_layer_draft, why):
+    """A structured request gets no guesses, nor does any request in a step of disable_by_batch_size requests. The
+    draft computes their chunks all the same, so their blocks are cached, and a later request with the same prompt
+    finds them there, as in m6."""
+    prompt = prompt_of(100, seed=12)
+    first = dict(max_tokens=8, temperature=0)
+    speculative = draft(one_layer_draft)
+    if why == "structured":
+        first.update(structured_outputs={"regex": "[0-9]{3}-[0-9]{4}"})
+    else:
+        speculative.update(disable_by_batch_size=1)  # every step has a request: nothing guesses
+    cached = {}
+    for mod, options in [(m6, {}), (m7, dict(speculative_config=speculative))]:
+        with mod.LLM(tiny_model_path, **LIMITS, **options) as llm:
+            run(mod, llm, [prompt], [first])
+            run(mod, llm, [prompt + [7]], [dict(max_tokens=2, temperature=0)])
+            cached[mod] = llm.engine.scheduler.num_cached_tokens
+            if mod is m7:
+                assert llm.engine.spec_stats()["num_draft_tokens"] == 0, "a request guessed: the test needs none"
+    assert cached[m7] == cached[m6] == 96, f"the second request found {cached[m7]} prompt tokens cached in m7 with " \
+        f"a draft, {cached[m6]} in m6: the 6 full blocks of the first one's prompt"
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_kv_blocks=30, block_size=4)], ids=["default", "tight-pool"])
+def test_each_draft_pass_stays_within_the_step_budget(tiny_model_path, options):
+    """Long prompts and a budget of 32 tokens: the draft computes the target's chunks, so a forward pass of the draft
+    never takes more than the budget, but for one token a request (the last guess of a step whose guesses were all
+    kept: the model as its own draft has every guess kept). After a preemption it computes the prompt again in the
+    target's chunks too, not all at once."""
+    rng = random.Random(13)
+    longest = 90 if options else 200
+    prompts = [prompt_of(rng.randint(longest - 30, longest), seed=i) for i in range(5)]
+    passes = []  # (tokens, requests) of each forward pass of the draft
+    with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(tiny_model_path)) as llm:
+        runner = llm.engine.speculator.proposer.runner
+        prepare = runner.prepare
+
+        def counted(batch):
+            passes.append((sum(batch.num_new_tokens), len(batch.seqs)))
+            return prepare(batch)
+
+        runner.prepare = counted
+        run(m7, llm, prompts, [dict(max_tokens=20, temperature=0, ignore_eos=True)] * len(prompts))
+        if options:
+            assert llm.engine.kv_usage()["num_preemptions"] > 0
+    budget = LIMITS["max_num_batched_tokens"]
+    over = [(tokens, requests) for tokens, requests in passes if tokens > budget + requests]
+    assert not over, f"draft passes of (tokens, requests) {over[:5]} exceed the budget of {budget} tokens by more " \
+        "than a token a request"
+    assert max(tokens for tokens, _ in passes) >= budget, "no pass took a whole budget: the prompts were too short"
+
+
+def test_a_failed_step_is_undone_for_the_draft_too(tiny_model_path):
+    """A step raises while one request decodes and another is in the middle of its prompt. The draft computed both
+    chunks before the launch; its count goes back with the target's (roll_back), so it computes them again with the
+    target, every guess of the model as its own draft is still kept, and the tokens are m6's."""
+    prompts = [prompt_of(20, seed=21), prompt_of(150, seed=22)]
+    settings = [dict(max_tokens=16, temperature=0, ignore_eos=True),
+                dict(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)]
+    with m6.LLM(tiny_model_path, **LIMITS) as llm:
+        reference = run(m6, llm, prompts, settings)
+    with m7.LLM(tiny_model_path, **LIMITS, speculative_config=draft(tiny_model_path)) as llm:
+        engine, failed = llm.engine, []
+        real_execute = engine.runner.execute
+
+        def fails_once(inputs):
+            sampling = len({id(seq) for seq in inputs.sample_seqs})
+            if 0 < sampling < inputs.num_seqs and not failed:  # a request samples, another is inside its prompt
+                failed.append(inputs)
+                raise RuntimeError("injected failure in a step that computes a prompt chunk")
+            return real_execute(inputs)
+
+        engine.runner.execute = fails_once
+        ids = [engine.add_request(p, m7.SamplingParams(**s)) for p, s in zip(prompts, settings)]
+        finished = {}
+        while engine.has_unfinished_requests():
+            try:
+                outputs = engine.step()
+            except RuntimeError:
+                outputs = []
+            finished.update((out.request_id, out) for out in outputs if out.finished)
+            engine.check_integrity()  # the draft's count at the target's, or one behind
+        assert failed, "no step both decoded and computed a prompt chunk: nothing was undone"
+        assert_same_outputs(completions([finished[i] for i in ids]), reference, settings)
+        stats = engine.spec_stats()
+        assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0, f"a guess was rejected: {stats}"
+
+
+def test_a_block_waits_for_the_drafts_last_guess_before_it_is_cached():
+    """After a step whose guesses were all kept, the draft has not fed the last guess: the block that ends with it is
+    cached once the draft has written it too (in the request's next step), not as soon as the target has. A request
+    that found the block sooner would have its draft read a slot nobody wrote."""
+    speculative = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=3)
+    scheduler = Scheduler(m7.EngineConfig(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, block_size=4,
+                                          num_kv_blocks=16, speculative_config=speculative))
+    prompt = list(range(100, 110))
+    seq = Sequence("r", None, prompt, m7.SamplingParams(max_tokens=20), 0, IncrementalDetokenizer(None, prompt, []))
+    scheduler.add(seq)
+    scheduler.schedule()  # admitted: its 10 prompt tokens
+    seq.token_ids += list(range(200, 207))  # 17 tokens: the first one sampled, then 3 guesses kept and the bonus
+    scheduler.block_manager.grow(seq.request_id, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_processed_tokens = 16  # the target wrote positions 0 to 15
+    seq.num_drafted_tokens = 15  # the draft has not fed the last guess, at position 15: the end of the 4th block
+    scheduler._cache(seq)
+    assert scheduler.locked_tokens[seq.request_id] == 12, (
+        f"{scheduler.locked_tokens[seq.request_id]} tokens cached, expected 12: the 4th block ends with a slot the "
+        "draft has not written, so it waits (the smaller of num_processed_tokens and num_drafted_tokens)"
+    )
+    seq.num_drafted_tokens = 16  # the request's next step: the draft feeds the last guess with the bonus token
+    scheduler._cache(seq)
+    assert scheduler.locked_tokens[seq.request_id] == 16
+    scheduler.check_integrity()
 
 
 def test_first_layers_copy_keeps_the_first_layers(tiny_model_path, one_layer_draft):

@@ -8,6 +8,7 @@ from milestones.m7.detokenizer import IncrementalDetokenizer
 from milestones.m7.proposer import PROBE_INTERVAL, NgramProposer, guess_room
 from milestones.m7.sampling_params import SamplingParams
 from milestones.m7.sequence import Sequence
+from milestones.m7.step import ScheduledBatch
 
 
 def test_the_latest_earlier_occurrence_of_the_longest_suffix_wins():
@@ -73,14 +74,21 @@ def test_the_index_guesses_what_propose_guesses_as_tokens_come():
 def test_propose_batch_keeps_each_requests_index_on_the_request():
     proposer = NgramProposer(min_n=1, max_n=3)
     seq = sequence([1, 2, 3, 4], None, [])
-    assert proposer.propose_batch([seq], [[]], [2]) == [[]] and seq.num_ngram_indexed == 3, (
+    assert proposer.propose_batch(batch_of([seq], [2])) == {0: []} and seq.num_ngram_indexed == 3, (
         "propose_batch indexes the request's runs on its first lookup (seq.ngram_index), even with nothing to guess"
     )
     index = seq.ngram_index
     seq.token_ids += [9, 2, 3]
-    assert proposer.propose_batch([seq], [[]], [2]) == [[4, 9]] and seq.ngram_index is index, (
+    assert proposer.propose_batch(batch_of([seq], [2])) == {0: [4, 9]} and seq.ngram_index is index, (
         "the next lookup extends the same index with the tokens added since: '2 3' was last seen at 1..2"
     )
+
+
+def batch_of(seqs: list[Sequence], rooms: list[int]) -> ScheduledBatch:
+    """A step that computes each request's last token, with these rooms (0: none); no blocks: prompt lookup reads
+    none."""
+    rooms_by_row = {row: room for row, room in enumerate(rooms) if room}
+    return ScheduledBatch(seqs, [1] * len(seqs), [[] for _ in seqs], rooms_by_row)
 
 
 def sequence(prompt: list[int], max_tokens: int | None, generated: list[int]) -> Sequence:
@@ -100,7 +108,8 @@ def test_guesses_never_reach_past_the_requests_last_token():
     assert guess_room(sequence(prompt, 4, [9, 1, 2]), max_model_len=100) == 0
     assert guess_room(sequence(prompt, None, []), max_model_len=12) == 2  # the context's end
     seqs = [sequence(prompt, None, []), sequence(prompt, 4, [9, 1])]
-    assert NgramProposer(min_n=1, max_n=2).propose_batch(seqs, [[], []], [5, 1]) == [[3, 4, 5, 6, 7], [2]]
+    assert NgramProposer(min_n=1, max_n=2).propose_batch(batch_of(seqs, [5, 1])) == {0: [3, 4, 5, 6, 7], 1: [2]}
+    assert NgramProposer(min_n=1, max_n=2).propose_batch(batch_of(seqs, [0, 1])) == {1: [2]}, "a row without room"
 
 
 def test_no_guess_before_the_prompt_is_done_or_while_the_last_token_is_unknown():
