@@ -4,7 +4,9 @@ Two drafts of the tiny model. The model itself: its picks, with the same (seed, 
 noise, are the target's, so every guess must be kept, greedy and sampled; a single rejected
 one means the draft read keys and values that a rollback, a preemption or a prefix-cache
 hit left wrong. Its first layer alone: a cheaper draft that is right only part of the
-time, so guesses are kept and rejected, and the output is still m6's.
+time, so guesses are kept and rejected, and the output is still m6's. The draft follows every
+step, computing the target's chunks: the prefix cache shares as much as in m6, and no pass of the
+draft goes past the step's budget by more than a token a request.
 """
 
 from __future__ import annotations
