@@ -526,10 +526,17 @@ CATALOGUE = (
     ),
     Mutation(
         "m7-one-noise-per-step", "milestones/m7/step.py",
-        "return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess)",
-        "return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output, seq.grammar, guess)",
+        "return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess, q)",
+        "return cls(seq.params, seq.seed, seq.num_tokens, seq.prompt_token_ids, output, seq.grammar, guess, q)",
         ("tests/m7/test_vs_m6.py::test_m7_matches_m6",),
         "every row of a request draws the noise of its first, not of the position it samples",
+    ),
+    Mutation(
+        "m7-draft-guess-judged-as-certain", "milestones/m7/sampler.py",
+        "drawn_from = torch.stack([row.guess_probs for row in rows]) if rows[0].guess_probs is not None else None",
+        "drawn_from = None",
+        ("tests/m7/test_rejection.py::test_the_engine_keeps_the_models_distribution_under_rejection",),
+        "a draft's guess is judged as if it were certain: the distribution holds, but fewer guesses are kept",
     ),
     Mutation(
         "m7-cache-rejected-tokens", "milestones/m7/rollback.py",

@@ -65,7 +65,8 @@ STEPS: tuple[Step, ...] = (
                    "its end, and a view with room appends its token, adds it to its row's guesses and has one "
                    "less room. Then set each `seq.num_drafted_tokens` to its view's num_computed_tokens and "
                    "return the guesses, `{row: [...]}` for every row with room."),)),
-    Step("rejection sampling: the model's distribution, not m6's tokens", ("tests/m7/test_rejection.py",),
+    Step("rejection sampling: the model's distribution, not m6's tokens",
+         ("tests/m7/test_rejection.py", "-k", "not engine_keeps"),  # the rule; the engine-wide tests run in make test
          "keep a guess when u * q(guess) < p(guess); otherwise draw from max(p - q, 0), never from p itself",
          (Exercise("sampler.py", "rejection_sample", ("rejection_sample",),
                    "for each row, keep the guess with probability min(1, p/q) at the guess (q one-hot when "

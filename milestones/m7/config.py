@@ -111,9 +111,6 @@ class SpeculativeConfig:
         if (config.method == "draft_model") != (config.model is not None):
             raise ValueError("speculative_config: 'model' names the draft, and only method 'draft_model' has one, "
                              f"which it needs; got method {config.method!r} with model {config.model!r}")
-        if config.acceptance == "rejection" and config.method == "draft_model":
-            raise ValueError("speculative_config: acceptance 'rejection' needs the draft's probabilities for each "
-                             "guess, which m7 does not carry yet: use it with method 'ngram', or keep 'exact'")
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
                              f"prompt_lookup_max ({config.prompt_lookup_max})")

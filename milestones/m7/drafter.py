@@ -15,16 +15,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
 
 from .config import EngineConfig
+from .future_map import FutureMap
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .proposer import NgramProposer
+from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .step import ScheduledBatch, StepInputs
+from .step import SamplingRow, ScheduledBatch, StepInputs
 
 
 @dataclass(slots=True)
@@ -66,6 +69,9 @@ class DraftModelProposer:
                              f"{model_config.max_position_embeddings} tokens; lower max_model_len to that")
         # The same pool size and block size as the target's (num_kv_blocks is resolved by now): the same tables.
         self.runner = ModelRunner(replace(config, enforce_eager=True, speculative_config=None), model_config, path)
+        self.rejection = config.speculative_config.acceptance == "rejection"  # the target judges guesses against q
+        if self.rejection:
+            self.runner.sampler = DraftSampler(config.device, self.runner.future_map)
 
     def propose_batch(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         """Compute what the target computes in this step, and up to ``batch.guess_rooms[row]`` guesses for each row
@@ -88,6 +94,7 @@ class DraftModelProposer:
                                                        for i in active],
                                                       [batch.block_tables[i] for i in active]))
             tokens = iter(self.runner.execute(sampling_guesses_only(step)).tokens.tolist())
+            drawn_from = iter(self.runner.sampler.drawn_from if self.rejection else [])  # q of each sampled row
             for i in active:
                 view = views[i]
                 view.num_computed_tokens = len(view.token_ids)
@@ -96,11 +103,31 @@ class DraftModelProposer:
                     view.token_ids.append(token)
                     guesses[i].append(token)
                     view.room -= 1
+                    if self.rejection and not view.params.greedy:  # what the guess was drawn from, to judge it by
+                        batch.guess_probs.setdefault(batch.seqs[i].request_id, []).append(next(drawn_from))
             active = [i for i in active if views[i].room]
         for seq, view in zip(batch.seqs, views):
             seq.num_drafted_tokens = view.num_computed_tokens
         return guesses
 # --8<-- [end:draft_model]
+
+
+class DraftSampler(Sampler):
+    """The draft's sampler with acceptance "rejection": it keeps the distribution each sampled (not greedy) row drew
+    its pick from, q, with which the target's sampler judges the guess (``ScheduledBatch.guess_probs``)."""
+
+    def __init__(self, device: torch.device, future_map: FutureMap) -> None:
+        super().__init__(device, future_map)
+        self.drawn_from: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+        self.drawn_from = []  # a pass of greedy rows draws from nothing
+        return super().__call__(logits, seqs)
+
+    def filtered_probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
+        probs = super().filtered_probs(logits, seqs)
+        self.drawn_from = list(probs)  # a row each, in the order of the rows that sample
+        return probs
 
 
 def sampling_guesses_only(step: StepInputs) -> StepInputs:

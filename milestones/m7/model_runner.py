@@ -112,8 +112,8 @@ class ModelRunner:
         else:
             forward = self.prepare_inputs(batch)
             sample_seqs, positions = forward.sample_seqs, [forward.positions[row] for row in forward.sample_rows]
-        return StepInputs(forward, [SamplingRow.of(seq, p, self.rejection) for seq, p in zip(sample_seqs, positions)],
-                          self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
+        rows = [SamplingRow.of(seq, p, self.rejection, batch.guess_probs) for seq, p in zip(sample_seqs, positions)]
+        return StepInputs(forward, rows, self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> StepOutput:

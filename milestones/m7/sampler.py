@@ -80,14 +80,16 @@ class Sampler:
     # --8<-- [start:judge_guesses]
     def judge_guesses(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """m7, acceptance "rejection": each row's guess, or the pick that replaces it, with random numbers of their
-        own (seeded by the request's seed and the position, salted), so the picks follow the model's probabilities."""
+        own (seeded by the request's seed and the position, salted), so the picks follow the model's probabilities.
+        A draft model's guesses come with the distribution each was drawn from; prompt lookup's are certain."""
         uniforms, noise = [], []
         for row in rows:
             self.generator.manual_seed(noise_seed(row.seed ^ REJECTION_SALT, row.num_tokens))
             uniforms.append(torch.rand((), generator=self.generator, device=self.device))
             noise.append(torch.empty(probs.shape[-1], device=self.device).exponential_(generator=self.generator))
         guesses = to_device([row.guess for row in rows], torch.long, self.device)
-        return rejection_sample(probs, guesses, torch.stack(uniforms), torch.stack(noise))
+        drawn_from = torch.stack([row.guess_probs for row in rows]) if rows[0].guess_probs is not None else None
+        return rejection_sample(probs, guesses, torch.stack(uniforms), torch.stack(noise), drawn_from)
     # --8<-- [end:judge_guesses]
 
     # --8<-- [start:logprobs]

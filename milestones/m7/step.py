@@ -28,6 +28,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     block_tables: list[list[int]]
     guess_rooms: dict[int, int] = field(default_factory=dict)  # m7: row -> how many tokens its request may guess
+    guess_probs: dict[str, list] = field(default_factory=dict)  # m7, a draft: request id -> each guess's q (tensors)
 
 
 # --8<-- [start:model_inputs]
@@ -94,18 +95,20 @@ class SamplingRow:
     output_token_ids: tuple[int, ...] = ()  # and a copy of the output's (with penalties only), maybe ending in a future
     grammar: Grammar | None = None  # structured_outputs: the request's own, which the worker's sampler advances
     guess: int | None = None  # m7, acceptance "rejection": the guess this row's pick decides on (None: pick freely)
+    guess_probs: torch.Tensor | None = None  # m7, and a draft model: q, the distribution the guess was drawn from
 
     @classmethod
-    def of(cls, seq: Sequence, position: int, rejection: bool = False) -> SamplingRow:
-        """The row that reads the token at ``position`` (m7: a guess, or the last token) and samples the next."""
-        guess = None
-        if rejection:  # m7: the guess that stands where this row's token goes, if any
-            ahead = position + 1 - seq.num_tokens
-            guess = seq.draft_token_ids[ahead] if 0 <= ahead < len(seq.draft_token_ids) else None
+    def of(cls, seq: Sequence, position: int, rejection: bool = False, drawn_from: dict | None = None) -> SamplingRow:
+        """The row that reads the token at ``position`` (m7: a guess, or the last token) and samples the next. m7,
+        rejection with a draft: ``drawn_from`` (``ScheduledBatch.guess_probs``) holds each guess's q."""
+        guess = q = None
+        if rejection and 0 <= (ahead := position + 1 - seq.num_tokens) < len(seq.draft_token_ids):  # m7
+            guess = seq.draft_token_ids[ahead]  # the guess that stands where this row's token goes
+            q = drawn_from[seq.request_id][ahead] if seq.request_id in drawn_from else None  # None: a certain guess
         output = ()  # m7: a guess row's history holds the guesses before it, as if they were accepted
         if seq.params.has_penalties:
             output = tuple((seq.token_ids + seq.draft_token_ids)[seq.num_prompt_tokens : position + 1])
-        return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess)
+        return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess, q)
 
 
 @dataclass(slots=True)

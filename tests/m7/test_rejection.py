@@ -11,6 +11,7 @@ give m6's tokens: with a certain pick, keeping a guess with probability p(guess)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from milestones import m6, m7
 from milestones.m7.proposer import NgramProposer
 from milestones.m7.sampler import rejection_sample
+from milestones.model_store import first_layers_copy
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.m7.test_vs_m6 import LIMITS, NGRAM, OracleProposer
 
@@ -106,11 +108,7 @@ def test_greedy_requests_still_give_m6s_tokens_and_sampled_ones_finish(tiny_mode
     assert any(ours[i] != reference[i] for i in sampled), "no sampled request left m6's tokens: was a guess judged?"
 
 
-def test_rejection_with_a_draft_model_is_refused(tiny_model_path):
-    config = {"method": "draft_model", "model": str(tiny_model_path), "num_speculative_tokens": 2,
-              "acceptance": "rejection"}
-    with pytest.raises(ValueError, match="acceptance 'rejection' needs the draft's probabilities"):
-        m7.LLM(tiny_model_path, **LIMITS, speculative_config=config)
+def test_an_unknown_acceptance_rule_is_refused(tiny_model_path):
     with pytest.raises(ValueError, match="acceptance must be 'exact' or 'rejection'"):
         m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM | {"acceptance": "greedy"})
 
@@ -132,28 +130,40 @@ class FavouriteOracle(NgramProposer):
 ENGINE_TEMPERATURE = 5.0  # the tiny model is sure of itself: flattened, each of the five ranks gets a share
 
 
-def test_the_engine_keeps_the_models_distribution_under_rejection(tiny_model_path):
-    """Many seeds, one prompt, top-k 5: each request's second token is judged against a guess of the token m6
-    found likeliest after its first. m6's own top-5 log-probabilities give each request's p exactly (softmax over the
-    top 5, at the temperature, is what top-k samples from), and the tokens m7 keeps or draws must follow those p: a
-    chi-square test over the five ranks (summed over requests, whose p differ: a little conservative). m6's tokens
-    must pass the same test, which checks the statistic; drawing a rejected guess's replacement from p instead of the
-    residual fails it (chi-square 61 here)."""
+@pytest.fixture(scope="module")
+def one_layer_draft(tiny_model_path, tmp_path_factory):
+    return first_layers_copy(tiny_model_path, 1, tmp_path_factory.mktemp("draft") / "first-layer")
+
+
+def top_k_probs(logprobs: dict) -> tuple[list[int], torch.Tensor]:
+    """The five tokens top-k 5 samples from, likeliest first, and their probabilities at ENGINE_TEMPERATURE, from a
+    row's top-5 log-probabilities (of the model's own logits)."""
+    top = sorted((lp.rank, token, lp.logprob) for token, lp in logprobs.items() if lp.rank <= 5)
+    return [token for _, token, _ in top], (torch.tensor([value for *_, value in top]) / ENGINE_TEMPERATURE).softmax(0)
+
+
+@pytest.mark.parametrize("proposer", ["favourite", "draft"])
+def test_the_engine_keeps_the_models_distribution_under_rejection(tiny_model_path, one_layer_draft, proposer):
+    """Many seeds, one prompt, top-k 5: each request's second token is judged against a guess: of the token m6
+    found likeliest after its first (certain, as prompt lookup's are), or a one-layer draft's (drawn from its q).
+    m6's own top-5 log-probabilities give each request's p exactly (softmax over the top 5, at the temperature, is
+    what top-k samples from), and the tokens m7 keeps or draws must follow those p: a chi-square test over the five
+    ranks (summed over requests, whose p differ: a little conservative). m6's tokens must pass the same test, which
+    checks the statistic; drawing a rejected guess's replacement from p instead of the residual fails it (chi-square
+    61 here), and so does judging a draft's guess as if it were certain."""
     num_requests, prompt = 240, [17, 4021, 233, 9, 1500, 77]
     settings = [dict(temperature=ENGINE_TEMPERATURE, top_k=5, seed=s, max_tokens=3, ignore_eos=True, logprobs=5)
                 for s in range(num_requests)]
     limits = LIMITS | dict(max_num_seqs=64, max_num_batched_tokens=512)
     reference = run(m6, m6.LLM(tiny_model_path, **limits), [prompt] * num_requests, settings)
-    ranked = []  # per request: the 5 tokens after its first one, likeliest first, and their probabilities under top-k
-    for completion in reference:
-        second = completion.logprobs[1]
-        top = sorted(((lp.rank, token, lp.logprob) for token, lp in second.items() if lp.rank <= 5))
-        probs = (torch.tensor([value for _, _, value in top]) / ENGINE_TEMPERATURE).softmax(dim=0)
-        ranked.append(([token for _, token, _ in top], probs))
+    ranked = [top_k_probs(completion.logprobs[1]) for completion in reference]  # p after each request's first token
     guesses = {tuple(prompt) + (c.token_ids[0],): tokens[0] for c, (tokens, _) in zip(reference, ranked)}
-    config = NGRAM | {"acceptance": "rejection", "num_speculative_tokens": 1}
+    config = {"method": "ngram", "num_speculative_tokens": 1, "acceptance": "rejection"}
+    if proposer == "draft":
+        config |= {"method": "draft_model", "model": str(one_layer_draft)}
     with m7.LLM(tiny_model_path, **limits, speculative_config=config) as llm:
-        llm.engine.speculator.proposer = FavouriteOracle(1, 1, guesses)
+        if proposer == "favourite":
+            llm.engine.speculator.proposer = FavouriteOracle(1, 1, guesses)
         ours = run(m7, llm, [prompt] * num_requests, settings)
         stats = llm.engine.spec_stats()
     assert [c.token_ids[0] for c in ours] == [c.token_ids[0] for c in reference], "the first tokens are m6's"
@@ -168,6 +178,18 @@ def test_the_engine_keeps_the_models_distribution_under_rejection(tiny_model_pat
             expected = [e + float(p) for e, p in zip(expected, probs)]
         return sum((c - e) ** 2 / e for c, e in zip(counts, expected)), counts, expected
 
+    if proposer == "draft":  # the rate at which guesses are kept is sum min(p, q), not the certain guess's sum p q
+        drafted = run(m6, m6.LLM(one_layer_draft, **limits), [prompt + c.token_ids[:1] for c in reference],
+                      [dict(s, max_tokens=1) for s in settings])  # q: the draft's top-5 after each first token
+        rates, certain = [], 0.0
+        for (p_tokens, p), completion in zip(ranked, drafted):
+            p_of, q_of = dict(zip(p_tokens, p.tolist())), dict(zip(*top_k_probs(completion.logprobs[0])))
+            rates.append(sum(min(p_of.get(x, 0.0), float(q_of.get(x, 0.0))) for x in p_of.keys() | q_of.keys()))
+            certain += sum(p_of.get(x, 0.0) * float(q) for x, q in q_of.items())
+        expected, spread = sum(rates), math.sqrt(sum(r * (1 - r) for r in rates))
+        assert abs(stats["num_accepted_tokens"] - expected) < 4.5 * spread, (
+            f"{stats['num_accepted_tokens']} of {num_requests} draft guesses kept, expected {expected:.1f} "
+            f"(standard deviation {spread:.1f}); a guess judged as certain would keep {certain:.1f}")
     for name, completions in (("m6", reference), ("m7", ours)):
         value, counts, expected = statistic(completions)
         assert value < CHI2_CRITICAL, f"{name}: chi-square {value:.1f} over {CHI2_CRITICAL}: second tokens by rank " \
