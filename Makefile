@@ -64,13 +64,16 @@ notebook: $(NOTEBOOK_STAMP)
 serve: model
 	$(PY) -m milestones.serve --milestone $(or $(M),m4)
 
-# Build a milestone yourself: `make exercise M=m3` writes workspace/m3, the reference with its lesson left to you;
-# `make check M=m3 [IMPL=workspace/m3]` runs the milestone's tests against it, step by step (docs/exercises.md).
+# Build a milestone yourself: `make exercise M=m3` writes workspace/m3, the reference with its lesson left to you
+# (HINTS=0: TODOs that state the contract alone); `make check M=m3 [IMPL=workspace/m3]` runs the milestone's
+# tests against it, step by step, up to the first that fails (STEP=n: step n alone; STEPS=a-b: steps a to b;
+# docs/exercises.md).
 exercise: $(STAMP)
-	$(PY) -m milestones.exercise start $(M)
+	$(PY) -m milestones.exercise start $(M)$(if $(filter 0,$(HINTS)), --no-hints)
 
+CHECK_STEPS = $(if $(STEP), --step $(STEP))$(if $(STEPS), --steps $(STEPS))
 check: model
-	$(PY) -m milestones.exercise check $(M) $(if $(IMPL),--impl $(IMPL))
+	$(PY) -m milestones.exercise check $(M)$(if $(IMPL), --impl $(IMPL))$(CHECK_STEPS)
 
 # Plant each bug of tests/mutations.py in a scratch copy and check that its tests catch it.
 mutations: model

@@ -1,33 +1,38 @@
 """Build a milestone yourself: a skeleton to fill in, checked by the project's own tests.
 
-    python -m milestones.exercise start m3 [--to workspace/m3]   # or: make exercise M=m3
-    python -m milestones.exercise check m3 [--impl workspace/m3]  # or: make check M=m3
+    python -m milestones.exercise start m3 [--to workspace/m3] [--no-hints]     # or: make exercise M=m3 [HINTS=0]
+    python -m milestones.exercise check m3 [--impl DIR] [--step N | --steps A-B]  # or: make check M=m3 [STEP=n]
 
 ``start`` copies the reference package ``milestones/mK`` (the previous milestone plus
 the lesson's changes) and replaces the body of every function that *is* the lesson by
-``raise NotImplementedError``, with a TODO saying what to build and which step checks
-it. The lesson's functions are named in ``milestones/course/`` (``mK.py`` for milestone mK) by the snippet
-sections the docs already show, so skeletons are generated from the reference and never drift.
+``raise NotImplementedError``, with a TODO saying what to build (the contract, then how,
+unless ``--no-hints``) and which step checks it. The lesson's functions are named in ``milestones/course/``
+(``mK.py`` for milestone mK) by the snippet sections the docs already show, so skeletons are generated from the
+reference and never drift.
 
 ``check`` runs the milestone's suite against the learner's package, one step at a time
 from the smallest piece to the whole engine (the last steps compare it token for token
-with the reference m(K-1) and run the contract every milestone keeps), and prints
-"k of n steps pass". The tests import the learner's package in place of ``milestones.mK``
-(``install`` below, called by the tests' conftest when ``MILESTONE_IMPL`` is set).
+with the reference m(K-1) and run the contract every milestone keeps), stops at the first
+step that fails, and prints "k of n steps pass". The steps run in this process, one pytest
+session each, so torch and the tests are imported once. The tests import the learner's
+package in place of ``milestones.mK`` (``install`` below, called by the tests' conftest when
+``MILESTONE_IMPL`` is set).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
+import io
 import os
 import re
 import shutil
-import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from milestones.course import LESSONS, Exercise, Step
@@ -64,7 +69,13 @@ def wrap(text: str, width: int) -> list[str]:
     return [line.replace("\0", " ") for line in lines]
 
 
-def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Exercise) -> str:
+def todo_comment(milestone: str, step_number: int, step: Step, exercise: Exercise, hints: bool) -> list[str]:
+    """The lines of a stub's TODO: the contract, then how to build it, unless hints are off (HINTS=0)."""
+    lines = wrap(f"TODO({milestone}, step {step_number}, {step.name}): {exercise.todo}", 100)
+    return lines + (wrap(f"How: {exercise.how}", 100) if hints and exercise.how else [])
+
+
+def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Exercise, hints: bool = True) -> str:
     """The source with the exercise's function bodies replaced by a TODO and ``raise NotImplementedError``."""
     first, last = section_lines(source, exercise.section)
     defined = functions(ast.parse(source))
@@ -77,27 +88,41 @@ def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Ex
         has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
         begin = body[0].end_lineno if has_docstring else body[0].lineno - 1  # 0-based index of the first body line
         indent = " " * body[0].col_offset
-        todo = wrap(f"TODO({milestone}, step {step_number}, {step.name}): {exercise.todo}", 100)
         message = f"{name} is yours to write (see its TODO in {exercise.file}); `make check M={milestone}` checks it"
         lines[begin : node.end_lineno] = [
-            *(f"{indent}# {line}\n" for line in todo),
+            *(f"{indent}# {line}\n" for line in todo_comment(milestone, step_number, step, exercise, hints)),
             f"{indent}raise NotImplementedError({message!r})\n",
         ]
     return "".join(lines)
 
 
-def start(milestone: str, destination: Path) -> list[str]:
+def header(milestone: str, hints: bool) -> str:
+    """The comment that opens each file with stubs: the raw docs/*.md show include markers, the built site the code."""
+    text = (f"Your {milestone}: each function whose body is a TODO is yours to write, in step order, and `make check "
+            f"M={milestone}` checks them (STEP=n: step n alone). Read the lesson on the built site: `make docs-serve`, "
+            f"then http://127.0.0.1:8000/{milestone}/ (docs/{milestone}.md, its source, shows `--8<--` lines where "
+            "the site shows code).")
+    if not hints:
+        text += (f" Written with HINTS=0: each TODO states the contract alone; milestones/course/{milestone}.py "
+                 "has the hints.")
+    return "".join(f"# {line}\n" for line in wrap(text, 110))
+
+
+def start(milestone: str, destination: Path, hints: bool = True) -> list[str]:
     """Write the skeleton of ``milestone`` to ``destination``; the functions left to write, in step order."""
     if destination.exists():
         raise FileExistsError(f"{destination} already exists: your work is never overwritten. Remove it, "
                               "or give another folder with --to")
     shutil.copytree(PACKAGE_ROOT / milestone, destination, ignore=shutil.ignore_patterns("__pycache__"))
-    todo = []
+    todo, stubbed = [], set()
     for number, step in enumerate(LESSONS[milestone], 1):
         for exercise in step.exercises:
             path = destination / exercise.file
-            path.write_text(stub(path.read_text(), milestone, number, step, exercise))
+            path.write_text(stub(path.read_text(), milestone, number, step, exercise, hints))
+            stubbed.add(path)
             todo += [f"step {number} ({step.name}): {exercise.file}: {name}" for name in exercise.functions]
+    for path in stubbed:
+        path.write_text(header(milestone, hints) + path.read_text())
     return todo
 
 
@@ -117,29 +142,145 @@ def install(milestone: str, path: str | Path) -> None:
     spec.loader.exec_module(module)
 
 
-def check(milestone: str, implementation: Path, steps: int | None = None) -> int:
-    """Run the milestone's steps against the learner's package; print each verdict and the first failure."""
-    chosen = LESSONS[milestone][:steps]
-    env = {**os.environ, "MILESTONES": milestone, IMPL_VARIABLE: f"{milestone}={implementation.resolve()}"}
-    print(f"Checking {implementation} as {milestone}, {len(chosen)} steps, smallest first:")
-    passed, first_failure = 0, None
-    for number, step in enumerate(chosen, 1):
-        began = time.perf_counter()
-        command = [sys.executable, "-m", "pytest", "-x", "-q", "--tb=short", "-p", "no:cacheprovider",
-                   "-p", "no:logging", *step.tests]
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-        ok = result.returncode == 0
-        passed += ok
-        print(f"  step {number} of {len(chosen)}: {step.name:40} {'pass' if ok else 'FAIL'} "
-              f"({time.perf_counter() - began:.0f} s)", flush=True)
-        if not ok and first_failure is None:
-            first_failure = (number, step, result.stdout + result.stderr)
-    print(f"{passed} of {len(chosen)} steps pass")
-    if first_failure is not None:
-        number, step, output = first_failure
-        print(f"\nThe first failing step, {number} ({step.name}): {step.hint}\n")
-        print(failure_report(output))
-    return 0 if passed == len(chosen) else 1
+# Each step is one pytest session: -x, its first failure ends it; no cache of failures kept between the checks.
+PYTEST_OPTIONS = ("-x", "-q", "--tb=short", "-p", "no:cacheprovider", "-p", "no:logging")
+
+
+def step_range(spec: str, count: int) -> range:
+    """The step numbers ``A-B`` names, 1-based and inclusive (``A-``: from A on, ``-B``: up to B)."""
+    match = re.fullmatch(r"(\d*)-(\d*)", spec.strip())
+    if match is None:
+        raise ValueError(f"--steps takes a range, A-B, A- or -B (got {spec!r}); one step is --step N")
+    first, last = int(match[1] or 1), int(match[2] or count)
+    if not 1 <= first <= last <= count:
+        raise ValueError(f"steps {first} to {last}: the steps are 1 to {count}")
+    return range(first, last + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRun:
+    """What one step's pytest session gave: whether it passed, its time, its report, where its failure was raised."""
+
+    passed: bool
+    seconds: float
+    output: str
+    frames: tuple[tuple[Path, int], ...]  # (file, line) of the first failure's traceback, outermost first
+
+
+class FirstFailure:
+    """A pytest plugin that keeps the traceback of the session's first failure (or collection error)."""
+
+    def __init__(self) -> None:
+        self.frames: tuple[tuple[Path, int], ...] = ()
+
+    def pytest_exception_interact(self, call) -> None:
+        if not self.frames and call.excinfo is not None:
+            self.frames = tuple((Path(entry.path), entry.lineno + 1) for entry in call.excinfo.traceback)
+
+
+def run_step(step: Step) -> StepRun:
+    """One pytest session over the step's tests, in this process, its report kept rather than printed."""
+    import pytest
+
+    failure, output, began = FirstFailure(), io.StringIO(), time.perf_counter()
+    with contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        code = pytest.main([*PYTEST_OPTIONS, *step.tests], plugins=[failure])
+    if code == pytest.ExitCode.INTERRUPTED:
+        raise KeyboardInterrupt
+    return StepRun(code == pytest.ExitCode.OK, time.perf_counter() - began, output.getvalue(), failure.frames)
+
+
+def owner(frames: tuple[tuple[Path, int], ...], package: Path, lesson: tuple[Step, ...]) -> tuple[int, str] | None:
+    """The step that owns the failure and the lesson function it was raised in: the innermost frame of the traceback
+    inside a function of the learner's package that an exercise names. None if no lesson function is on it (a wrong
+    result the test itself asserts)."""
+    steps = {(e.file, name): number for number, step in enumerate(lesson, 1) for e in step.exercises
+             for name in e.functions}
+    for path, line in reversed(frames):
+        if not path.is_relative_to(package) or not path.is_file():
+            continue
+        file = path.relative_to(package).as_posix()
+        for name, node in functions(ast.parse(path.read_text())).items():
+            if (file, name) in steps and node.lineno <= line <= node.end_lineno:
+                return steps[file, name], name
+    return None
+
+
+def prepare(milestone: str, package: Path) -> None:
+    """Set this process up for the tests, before anything imports torch: the learner's package stands in for
+    ``milestones.<milestone>``, and torch computes on one thread (unless $OMP_NUM_THREADS says otherwise)."""
+    os.environ.update({"MILESTONES": milestone, IMPL_VARIABLE: f"{milestone}={package}"})
+    # The steps' tensors are small: a second thread gains little, and where other processes keep the cores busy,
+    # torch's threads wait for each other at every operation (m7's check took 3 times as long on two threads).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.chdir(REPO_ROOT)  # the steps name their tests from the repository's root
+
+
+def build_kernels() -> None:
+    """Build (or load, once built) the compiled CPU kernels the engines use, before the first step: a first build
+    takes minutes, and inside a step its message would be hidden and its time counted as the step's."""
+    from milestones.kernels.decode_attention import load_decode_kernel
+    from milestones.kernels.panel_linear import load_panel_linear
+    from milestones.kernels.rms_norm import load_rms_norm
+
+    for load in (load_decode_kernel, load_panel_linear, load_rms_norm):
+        try:
+            load()
+        except Exception as error:  # a compiler error arrives as one of several exception types
+            print(f"  (a compiled kernel cannot be built here, so the engines use plain torch: {error})")
+            return
+
+
+def check(milestone: str, implementation: Path, numbers: range, keep_going: bool = False) -> int:
+    """Run the chosen steps in order against the learner's package and stop at the first that fails (unless
+    ``keep_going``); print each verdict, then the first failure, under the step that owns the function it was
+    raised in. Runs in this process."""
+    lesson, package = LESSONS[milestone], implementation.resolve()
+    prepare(milestone, package)
+    which = f"step {numbers[0]}" if len(numbers) == 1 else f"steps {numbers[0]} to {numbers[-1]}"
+    until = "every one" if keep_going else "up to the first that fails"
+    print(f"Checking {implementation} as {milestone}, {which} of {len(lesson)}, smallest first, {until}:", flush=True)
+    build_kernels()
+    passed, failures = 0, []
+    for number in numbers:
+        step = lesson[number - 1]
+        print(f"  step {number} of {len(lesson)}: {step.name:40} ", end="", flush=True)
+        if failures and not keep_going:
+            print("not run")
+            continue
+        run = run_step(step)
+        found = None if run.passed else owner(run.frames, package, lesson)
+        elsewhere = f": the failure is in step {found[0]}'s {found[1]}" if found and found[0] != number else ""
+        print(f"{'pass' if run.passed else 'FAIL'} ({run.seconds:.0f} s){elsewhere}", flush=True)
+        passed += run.passed
+        failures += [] if run.passed else [(number, run, found)]
+    print(summary(passed, [number for number, *_ in failures], len(numbers)))
+    if failures:
+        report(milestone, lesson, *failures[0])
+    return 1 if failures else 0
+
+
+def summary(passed: int, failed: list[int], chosen: int) -> str:
+    """"k of n steps pass", then which failed and how many did not run."""
+    parts = [f"{passed} of {chosen} steps pass"]
+    if failed:
+        parts.append(f"step {failed[0]} fails" if len(failed) == 1 else f"steps {', '.join(map(str, failed))} fail")
+    if chosen > passed + len(failed):
+        parts.append(f"{chosen - passed - len(failed)} not run")
+    return ", ".join(parts)
+
+
+def report(milestone: str, lesson: tuple[Step, ...], number: int, run: StepRun, found: tuple[int, str] | None) -> None:
+    """The failure, under the step that owns it: the one whose function raised it, else the step whose test failed."""
+    step = lesson[number - 1]
+    if found is None or found[0] == number:
+        print(f"\nThe first failing step, {number} ({step.name}): {step.hint}")
+    else:
+        owning = lesson[found[0] - 1]
+        print(f"\nStep {number}'s tests fail in {found[1]}, which step {found[0]} ({owning.name}) is about: "
+              f"{owning.hint}")
+    print(f"(`make check M={milestone} STEP={found[0] if found else number}` runs that step alone)\n")
+    print(failure_report(run.output))
 
 
 def failure_report(output: str, max_lines: int = 60) -> str:
@@ -156,29 +297,48 @@ def main(argv: list[str] | None = None) -> int:
     begin = commands.add_parser("start", help="write a skeleton of the milestone to fill in")
     begin.add_argument("milestone", choices=sorted(LESSONS))
     begin.add_argument("--to", type=Path, help="where (default: workspace/<milestone>)")
+    begin.add_argument("--no-hints", dest="hints", action="store_false",
+                       help="TODOs that state the contract alone, without how to build it (make exercise HINTS=0)")
     judge = commands.add_parser("check", help="run the milestone's suite against your package, step by step")
     judge.add_argument("milestone", choices=sorted(LESSONS))
     judge.add_argument("--impl", type=Path, help="your package (default: $IMPL, else workspace/<milestone>)")
-    judge.add_argument("--steps", type=int, help="run only the first N steps")
+    which = judge.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, metavar="N", help="run step N alone (make check STEP=N)")
+    which.add_argument("--steps", metavar="A-B", help="run steps A to B, A- from A on, -B up to B (make STEPS=A-B)")
+    judge.add_argument("--keep-going", action="store_true", help="run every chosen step, even after one fails")
     args = parser.parse_args(argv)
     default = REPO_ROOT / "workspace" / args.milestone
     if args.command == "start":
-        destination = args.to or default
-        try:
-            todo = start(args.milestone, destination)
-        except FileExistsError as err:
-            print(err, file=sys.stderr)
-            return 2
-        print(f"Wrote {destination}, the reference {args.milestone} with its lesson left to you:")
-        print("\n".join(f"  {line}" for line in todo))
-        print(f"Check it with: make check M={args.milestone} IMPL={destination}")
-        return 0
+        return begin_exercise(args.milestone, args.to or default, args.hints)
+    count = len(LESSONS[args.milestone])
+    try:
+        numbers = step_range(f"{args.step}-{args.step}" if args.step is not None else args.steps or "-", count)
+    except ValueError as error:
+        parser.error(f"{args.milestone}: {error}")
     implementation = args.impl or Path(os.environ.get("IMPL") or default)
     if not (implementation / "__init__.py").is_file():
         print(f"{implementation} is not a package: run `make exercise M={args.milestone}` first, "
               "or give your package with IMPL=...", file=sys.stderr)
         return 2
-    return check(args.milestone, implementation, args.steps)
+    try:
+        return check(args.milestone, implementation, numbers, args.keep_going)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def begin_exercise(milestone: str, destination: Path, hints: bool) -> int:
+    """``start``, from the command line: what it wrote, or why it wrote nothing."""
+    try:
+        todo = start(milestone, destination, hints)
+    except FileExistsError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(f"Wrote {destination}, the reference {milestone} with its lesson left to you"
+          f"{'' if hints else ' (HINTS=0: each TODO states the contract alone)'}:")
+    print("\n".join(f"  {line}" for line in todo))
+    print(f"Check it with: make check M={milestone} IMPL={destination} (STEP=n for step n alone)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 For each milestone with an exercise, ``start`` writes the skeleton; the test then fills it
 the way a learner would, touching nothing but each stub (its TODO comment and its
-``raise NotImplementedError``), which it replaces by the reference function's body; and
-``check`` runs every step against the filled package. A stub cut in the wrong place, or a
+``raise NotImplementedError``), which it replaces by the reference function's body, and the
+comment that opens each file with stubs, which it removes; and ``check`` runs every step
+against the filled package. A stub cut in the wrong place, or a
 step whose tests need something the skeleton lost, fails here.
 
 Each milestone's check reruns that milestone's own tests (the steps' files, the contract),
@@ -34,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from milestones.course import LESSONS
-from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start
+from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, header, section_lines, start
 from tests.conftest import needs_compiler
 
 # m5's steps, and those of the milestones copied from it, capture with torch.compile on a CPU: without a compiler
@@ -99,15 +100,18 @@ def package_files(folder: Path) -> dict[str, str]:
 
 
 def write_filled(lesson: str, package: Path) -> None:
-    """Write the lesson's skeleton to ``package``, then fill every stub with the reference's body."""
+    """Write the lesson's skeleton to ``package``, then fill every stub with the reference's body and remove the
+    comment that opens the file."""
     start(lesson, package)
     stubbed: dict[str, set[str]] = {}
     for step in LESSONS[lesson]:
         for exercise in step.exercises:
             stubbed.setdefault(exercise.file, set()).update(exercise.functions)
     for file, names in sorted(stubbed.items()):
-        path = package / file
-        path.write_text(fill(path.read_text(), (PACKAGE_ROOT / lesson / file).read_text(), names))
+        path, opening = package / file, header(lesson, hints=True)
+        skeleton = path.read_text()
+        assert skeleton.startswith(opening), f"{file} does not open with the skeleton's comment"
+        path.write_text(fill(skeleton.removeprefix(opening), (PACKAGE_ROOT / lesson / file).read_text(), names))
 
 
 @pytest.mark.parametrize("lesson", sorted(LESSONS))

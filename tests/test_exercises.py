@@ -2,7 +2,10 @@
 
 The reference passing *all* steps is what the rest of the suite shows (the steps are its
 own test files); here ``check`` runs the first step on an untouched copy of the reference,
-to show that the learner's package really replaces ``milestones.mK`` in the tests.
+to show that the learner's package really replaces ``milestones.mK`` in the tests. And the
+learner's loop: ``check`` stops at the first failing step, runs the steps chosen (``STEP=n``,
+``STEPS=a-b``), and reports a failure under the step that owns the function it was raised in;
+``HINTS=0`` writes TODOs that state the contract alone.
 """
 
 from __future__ import annotations
@@ -18,8 +21,19 @@ from pathlib import Path
 import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
-from milestones.course import LESSONS
-from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, section_lines, start, wrap
+from milestones.course import LESSONS, Exercise
+from milestones.exercise import (
+    PACKAGE_ROOT,
+    REPO_ROOT,
+    functions,
+    header,
+    main,
+    section_lines,
+    start,
+    step_range,
+    stub,
+    wrap,
+)
 from tests.conftest import needs_compiler
 
 TAUGHT = MILESTONES  # every milestone is an exercise, m1 (the model itself) included
@@ -100,6 +114,7 @@ def test_the_skeleton_stubs_exactly_the_lesson(lesson, tmp_path):
                 assert raises and not any(isinstance(n, ast.Return) for n in ast.walk(node)), name
             else:
                 assert ast.unparse(node) == ast.unparse(reference_functions[name]), f"{name} changed"
+        assert skeleton.startswith(header(lesson, hints=True)), f"{path.name} does not open with the header comment"
     with pytest.raises(FileExistsError, match="never overwritten"):
         start(lesson, destination)
 
@@ -122,10 +137,13 @@ NEEDS_COMPILER = {"m5": needs_compiler}
 
 @pytest.mark.parametrize("lesson", [pytest.param(m, marks=NEEDS_COMPILER.get(m, ())) for m in TAUGHT])
 def test_the_skeleton_fails_every_step_and_says_what_to_write(lesson, tmp_path):
+    """Every step, run on past the first failure (``--keep-going``), fails on the skeleton: no step is free."""
     start(lesson, tmp_path / lesson)
-    result = check(lesson, tmp_path / lesson)
+    result = check(lesson, tmp_path / lesson, "--keep-going")
     steps = len(LESSONS[lesson])
     assert result.returncode == 1, result.stdout + result.stderr
+    verdicts = [line for line in result.stdout.splitlines() if line.startswith("  step ")]
+    assert len(verdicts) == steps and all(" FAIL (" in line for line in verdicts), result.stdout
     assert f"0 of {steps} steps pass" in result.stdout, result.stdout
     assert "is yours to write" in result.stdout and "NotImplementedError" in result.stdout, result.stdout
 
@@ -134,6 +152,100 @@ def test_the_skeleton_fails_every_step_and_says_what_to_write(lesson, tmp_path):
 def test_the_reference_copied_as_a_learners_package_passes_the_first_step(lesson, tmp_path):
     package = tmp_path / lesson
     shutil.copytree(PACKAGE_ROOT / lesson, package, ignore=shutil.ignore_patterns("__pycache__"))
-    result = check(lesson, package, "--steps", "1")
+    result = check(lesson, package, "--step", "1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 of 1 steps pass" in result.stdout
+
+
+def reference_with_a_stub(lesson: str, number: int, name: str, folder: Path) -> Path:
+    """A copy of the reference in which only ``name``, an exercise of step ``number``, is a stub."""
+    shutil.copytree(PACKAGE_ROOT / lesson, folder, ignore=shutil.ignore_patterns("__pycache__"))
+    step = LESSONS[lesson][number - 1]
+    exercise = next(e for e in step.exercises if name in e.functions)
+    path = folder / exercise.file
+    only = Exercise(exercise.file, exercise.section, (name,), exercise.todo, exercise.how)
+    path.write_text(stub(path.read_text(), lesson, number, step, only))
+    return folder
+
+
+def test_check_stops_at_the_first_failing_step_and_runs_no_later_one(tmp_path):
+    package = reference_with_a_stub("m1", 2, "rotate_half", tmp_path / "m1")
+    result = check("m1", package)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    verdicts = {int(line.split()[1]): line for line in lines if line.startswith("  step ")}
+    assert sorted(verdicts) == list(range(1, 10)), result.stdout
+    assert " pass (" in verdicts[1] and " FAIL (" in verdicts[2], result.stdout
+    assert all(verdicts[n].endswith(" not run") for n in range(3, 10)), result.stdout
+    assert "1 of 9 steps pass, step 2 fails, 7 not run" in result.stdout
+    assert "The first failing step, 2 (rotary position embedding (RoPE))" in result.stdout
+    assert "rotate_half is yours to write" in result.stdout
+
+
+def test_a_failure_is_reported_under_the_step_that_owns_the_function_it_was_raised_in(tmp_path):
+    """Step 5's test calls RMSNorm.forward, step 1's: the report names step 1 and gives step 1's hint."""
+    package = reference_with_a_stub("m1", 1, "RMSNorm.forward", tmp_path / "m1")
+    result = check("m1", package, "--step", "5")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout and "the failure is in step 1's RMSNorm.forward" in result.stdout, result.stdout
+    assert f"which step 1 (RMSNorm) is about: {LESSONS['m1'][0].hint}" in result.stdout, result.stdout
+    assert "`make check M=m1 STEP=1` runs that step alone" in result.stdout
+
+
+def test_step_ranges_name_steps_from_one_inclusive():
+    assert step_range("2-5", 9) == range(2, 6)
+    assert step_range("3-", 9) == range(3, 10)
+    assert step_range("-4", 9) == range(1, 5)
+    assert step_range("-", 9) == range(1, 10)
+    assert step_range("7-7", 9) == range(7, 8)
+    for spec, message in [("5", "takes a range"), ("two-three", "takes a range"), ("0-2", "are 1 to 9"),
+                          ("4-2", "are 1 to 9"), ("3-12", "are 1 to 9")]:
+        with pytest.raises(ValueError, match=message):
+            step_range(spec, 9)
+
+
+@pytest.mark.parametrize("options", [["--step", "10"], ["--steps", "0-3"], ["--step", "2", "--steps", "2-3"]])
+def test_check_refuses_steps_the_lesson_does_not_have(options, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["check", "m1", "--impl", str(PACKAGE_ROOT / "m1"), *options])
+    assert exit_.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def make_commands(*arguments: str) -> str:
+    """What ``make -n`` would run for the arguments (nothing is run)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make")
+    return subprocess.run([make, "-n", *arguments], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+
+
+def test_make_passes_step_steps_and_hints_through():
+    assert "-m milestones.exercise check m1 --step 3" in make_commands("check", "M=m1", "STEP=3")
+    assert "-m milestones.exercise check m7 --steps 2-4" in make_commands("check", "M=m7", "STEPS=2-4")
+    assert "-m milestones.exercise start m1 --no-hints" in make_commands("exercise", "M=m1", "HINTS=0")
+    assert "--no-hints" not in make_commands("exercise", "M=m1")
+
+
+def todo_text(skeleton: str, name: str) -> str:
+    """The comment right above a stub's ``raise``, its lines joined into the text they were wrapped from."""
+    lines, end = skeleton.splitlines(), functions(ast.parse(skeleton))[name].body[-1].lineno - 1
+    first = end
+    while first > 0 and lines[first - 1].lstrip().startswith("#"):
+        first -= 1
+    return " ".join(line.strip().removeprefix("# ") for line in lines[first:end])
+
+
+@pytest.mark.parametrize("lesson", TAUGHT)
+def test_hints_0_writes_todos_that_state_the_contract_alone(lesson, tmp_path):
+    start(lesson, tmp_path / "hints", hints=True)
+    start(lesson, tmp_path / "contract", hints=False)
+    for number, step in enumerate(LESSONS[lesson], 1):
+        for exercise in step.exercises:
+            hinted = (tmp_path / "hints" / exercise.file).read_text()
+            bare = (tmp_path / "contract" / exercise.file).read_text()
+            assert bare.startswith(header(lesson, hints=False)) and "HINTS=0" in header(lesson, hints=False)
+            for name in exercise.functions:
+                contract = f"TODO({lesson}, step {number}, {step.name}): {exercise.todo}"
+                assert todo_text(bare, name) == contract, name
+                assert todo_text(hinted, name) == contract + (f" How: {exercise.how}" if exercise.how else ""), name

@@ -13,73 +13,103 @@ STEPS: tuple[Step, ...] = (
     Step("RMSNorm", ("tests/m1/test_rmsnorm.py",),
          "RMSNorm does not subtract the mean; eps goes inside the square root; square in float32, return x's dtype",
          (Exercise("model.py", "rmsnorm", ("RMSNorm.forward",),
-                   "scale each vector (the last dimension of x) to unit root mean square: divide by "
-                   "`sqrt(mean(x**2) + self.eps)`, the mean not subtracted, computed in float32; cast the result "
-                   "back to x's dtype, then multiply by self.weight. The tests compare it with transformers' "
-                   "LlamaRMSNorm on SmolLM2's weights: float32 within 1e-5, bfloat16 in, bfloat16 out, and float16 "
-                   "inputs of 300, whose squares overflow float16."),)),
+                   "x [..., hidden] in, the same shape and dtype out: each vector (the last dimension) divided by "
+                   "its root mean square, `sqrt(mean(x**2) + self.eps)` (the mean not subtracted, eps inside the "
+                   "root), then multiplied by self.weight. The tests compare it with transformers' LlamaRMSNorm on "
+                   "SmolLM2's weights: float32 within 1e-5, bfloat16 in, bfloat16 out, and float16 inputs of 300, "
+                   "whose squares overflow float16.",
+                   how="compute in float32 (`x.float()`): the mean of the squares over the last dimension "
+                   "(keepdim), `torch.rsqrt` of it plus eps, times x; cast that back to x's dtype, then multiply "
+                   "by self.weight (transformers' order)."),)),
     Step("rotary position embedding (RoPE)", ("tests/m1/test_rope.py",),
          "a pair is dimensions i and i + head_dim/2 (the two halves, not neighbours); angles in float32, like "
          "transformers'",
          (Exercise("model.py", "rope", ("RotaryEmbedding.build_tables",),
-                   "the angle of position p in pair i is `p * rope_inv_freq(self.cfg)[i]`, in float32, for every "
-                   "position below self.max_positions; dimensions i and i + head_dim/2 share it. Register its cos "
-                   "and its sin as buffers named `cos` and `sin`, [max_positions, head_dim] float32 on `device` "
-                   "(`persistent=False`: not weights). Compared with transformers' LlamaRotaryEmbedding (SmolLM2, "
-                   "Llama-3 scaled frequencies, Qwen3's head_dim of 32) within 1e-5."),
+                   "register buffers `cos` and `sin`, [max_positions, head_dim] float32 on `device` and no part "
+                   "of the weights (`persistent=False`): row p holds the cos (the sin) of position p's angles, "
+                   "pair i's angle being `p * rope_inv_freq(self.cfg)[i]`, which dimensions i and i + head_dim/2 "
+                   "share, for every position below self.max_positions. Compared with transformers' "
+                   "LlamaRotaryEmbedding (SmolLM2, Llama-3 scaled frequencies, Qwen3's head_dim of 32) within "
+                   "1e-5.",
+                   how="the positions, `torch.arange(self.max_positions, dtype=torch.float32)`; their "
+                   "`torch.outer` with `rope_inv_freq(self.cfg)` is [max_positions, head_dim/2]; join it with "
+                   "itself on the last dimension; `self.register_buffer(\"cos\", angles.cos().to(device), "
+                   "persistent=False)`, and the same for sin."),
           Exercise("model.py", "rope", ("RotaryEmbedding.forward",),
-                   "the rows of the cos and sin tables at these positions, as [T, 1, head_dim] (one row per "
-                   "token, shared by all heads), in dtype."),
+                   "positions [T] in: the rows of the cos and sin tables at these positions, each as "
+                   "[T, 1, head_dim] (one row per token, shared by all heads), in dtype.",
+                   how="index self.cos and self.sin by positions, then `.unsqueeze(1)` and `.to(dtype)`."),
           Exercise("model.py", "rope", ("rotate_half",),
                    "`[-x2, x1]` joined on the last dimension, where x1 and x2 are the first and the second half "
-                   "of x's last dimension. Compared with transformers' rotate_half."),
+                   "of x's last dimension. Compared with transformers' rotate_half.",
+                   how="`x.chunk(2, dim=-1)`, then `torch.cat`."),
           Exercise("model.py", "rope", ("apply_rope",),
-                   "rotate each (i, i + head_dim/2) pair (a, b) of x [T, heads, head_dim] by its angle, to "
-                   "(a cos - b sin, b cos + a sin), with cos and sin [T, 1, head_dim] from RotaryEmbedding."
-                   "forward (rotate_half lines the b's up with the a's). Compared with transformers' "
-                   "apply_rotary_pos_emb."))),
+                   "x [T, heads, head_dim] with each (i, i + head_dim/2) pair (a, b) rotated by its angle, to "
+                   "(a cos - b sin, b cos + a sin), given cos and sin [T, 1, head_dim] from RotaryEmbedding."
+                   "forward. Compared with transformers' apply_rotary_pos_emb.",
+                   how="one line: x times cos, plus rotate_half(x) times sin (rotate_half puts -b where a was and "
+                   "a where b was)."))),
     Step("attention over the KV cache (GQA)", ("tests/m1/test_attention.py",),
          "keys are rotated, values are not; query head h reads KV head h // group; a prompt's token i sees rows "
          "0..i, a decode step's token every row; only this layer's rows of the cache change",
          (Exercise("model.py", "self_attention", ("SelfAttention.forward",),
-                   "project x [n, hidden] to q [n, num_heads, head_dim] and k, v [n, num_kv_heads, head_dim]; "
-                   "where the module has q_norm (Qwen3), normalise q and k with self.q_norm and self.k_norm before "
-                   "RoPE; rotate q and k (not v) with apply_rope; attend with `attention(q, k, v, "
-                   "self.layer_index, ctx)`; return o_proj of the heads side by side, [n, hidden]. Compared with "
-                   "LlamaAttention on SmolLM2's layer 2, and Qwen2Attention and Qwen3Attention, with their cache."),
+                   "x [n, hidden] in, [n, hidden] out: the layer's attention, with q [n, num_heads, head_dim] and "
+                   "k, v [n, num_kv_heads, head_dim] projected from x by the stacked self.qkv_proj (q, then k, "
+                   "then v); where the module has q_norm (Qwen3), q and k normalised by self.q_norm and "
+                   "self.k_norm before RoPE; q and k (not v) rotated with apply_rope; attended over the cache by "
+                   "attention.py's `attention(q, k, v, self.layer_index, ctx)`; the heads' outputs side by side "
+                   "through o_proj. Compared with LlamaAttention on SmolLM2's layer 2, and Qwen2Attention and "
+                   "Qwen3Attention, with their cache.",
+                   how="`self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)`, each viewed "
+                   "as [n, heads, head_dim]; `if hasattr(self, \"q_norm\")`; attention's output [n, num_heads, "
+                   "head_dim] reshaped to [n, num_heads * head_dim] for o_proj."),
           Exercise("attention.py", "attention", ("attention",),
-                   "write k and v into this layer's cache, `ctx.k_cache[layer]` and `ctx.v_cache[layer]`, at rows "
-                   "ctx.slot_mapping; then attend over rows 0..ctx.context_len-1: one new token with "
-                   "decode_attention (it sees every row), a prompt causally (token i sees rows 0..i; "
-                   "`F.scaled_dot_product_attention` takes [1, heads, n, dim] and `enable_gqa=True`). Return "
-                   "[n, heads, dim]. The tests check the output and every row of the cache after each step. (If "
+                   "q [n, heads, dim] and k, v [n, kv_heads, dim] for the n new tokens: write k and v into this "
+                   "layer's cache, `ctx.k_cache[layer]` and `ctx.v_cache[layer]`, at rows ctx.slot_mapping; then "
+                   "return [n, heads, dim], each token's attention over rows 0..ctx.context_len-1: one new token "
+                   "(a decode step) with decode_attention, as it sees every row; a prompt causally, token i "
+                   "seeing rows 0..i. The tests check the output and every row of the cache after each step. (If "
                    "ctx.kernel_batch is set, a CPU speed-up, the step's attention is one call of the compiled "
                    "kernel instead, once k and v are written: `batch.kernel(q, k, v, tables, lens, scale)` with "
                    "this layer's caches given a block dimension of one, `k_cache[:, :, None]` and "
-                   "`v_cache[:, :, None]`, the batch's block_tables and context_lens, and `q.shape[-1] ** -0.5`.)"),
+                   "`v_cache[:, :, None]`, the batch's block_tables and context_lens, and `q.shape[-1] ** -0.5`.)",
+                   how="`k_cache.index_copy_(0, ctx.slot_mapping, k)`, the same for v; the keys and values are "
+                   "the cache's first context_len rows, transposed to [kv_heads, context_len, dim]; for a prompt, "
+                   "`F.scaled_dot_product_attention` takes [1, heads, n, dim] and `is_causal=True, "
+                   "enable_gqa=True`; transpose its output back."),
           Exercise("attention.py", "decode_attention", ("decode_attention",),
                    "one query q [1, heads, dim] against keys and values [kv_heads, context_len, dim]: the "
-                   "softmax of `q . k / sqrt(dim)` weights the values, all in float32 (`.float()` on q, keys and "
-                   "values); query head h reads key/value head `h // (heads // kv_heads)`. Return [1, heads, dim] "
-                   "in values' dtype."))),
+                   "softmax over the rows of `q . k / sqrt(dim)` weights the values, summed in float32 whatever "
+                   "the cache holds; query head h reads key/value head `h // (heads // kv_heads)`. Return "
+                   "[1, heads, dim] in values' dtype.",
+                   how="view q as [kv_heads, group, dim] and make it float32 (`.float()`, like keys and "
+                   "values), so that each key/value head serves its group in one `torch.bmm` with the keys "
+                   "transposed; softmax on the last dimension; a second `torch.bmm` with the values; back to "
+                   "values' dtype, viewed as [1, heads, dim]."))),
     Step("the MLP (SwiGLU)", ("tests/m1/test_mlp.py",),
          "SiLU goes on the gate projection only, which then multiplies the up projection",
          (Exercise("model.py", "mlp", ("MLP.forward",),
                    "SwiGLU: the SiLU of gate_proj(x), times up_proj(x), through down_proj; [n, hidden] in and "
-                   "out. Compared with transformers' LlamaMLP on SmolLM2's weights."),)),
+                   "out. Compared with transformers' LlamaMLP on SmolLM2's weights.",
+                   how="`F.silu` is SiLU; the product is elementwise."),)),
     Step("one decoder layer", ("tests/m1/test_decoder_layer.py",),
          "each sub-block adds its output to its input: x + attention(norm(x)), then h + mlp(norm(h))",
          (Exercise("model.py", "decoder_layer", ("DecoderLayer.forward",),
-                   "add self_attn(input_layernorm(x), cos, sin, ctx) to x, then add "
-                   "mlp(post_attention_layernorm(h)) to that sum h; return [n, hidden]. Compared with "
-                   "LlamaDecoderLayer on SmolLM2's layer 5, a prefill then decode steps."),)),
+                   "[n, hidden] in and out: h = x + self_attn(input_layernorm(x), cos, sin, ctx), then h + "
+                   "mlp(post_attention_layernorm(h)). Compared with LlamaDecoderLayer on SmolLM2's layer 5, a "
+                   "prefill then decode steps.",
+                   how="two lines, one per sub-block, each adding its output to its own input."),)),
     Step("the forward pass, transformers' logits", ("tests/m1/test_forward.py",),
          "the final norm comes after the last layer; RoPE's cos and sin are looked up once and shared by the "
          "layers; logits within 1e-4 of transformers' at the prefill and at every decode step",
          (Exercise("model.py", "forward", ("CausalLM.forward",),
-                   "embed input_ids with self.model.embed_tokens, look up cos and sin once, `self.rope(positions, "
-                   "x.dtype)`, run every layer of self.model.layers with them and ctx, and return self.model.norm "
-                   "of the result: [num_tokens, hidden_size]. Compared with LlamaForCausalLM on SmolLM2."),
+                   "input_ids and positions [num_tokens] in, the hidden states [num_tokens, hidden_size] out: "
+                   "the embeddings of input_ids (self.model.embed_tokens) through every layer of "
+                   "self.model.layers in order, with ctx and with RoPE's cos and sin looked up once, "
+                   "`self.rope(positions, x.dtype)`, then self.model.norm. Compared with LlamaForCausalLM on "
+                   "SmolLM2.",
+                   how="`x = self.model.embed_tokens(input_ids)`, then `cos, sin = self.rope(positions, "
+                   "x.dtype)`, then `x = layer(x, cos, sin, ctx)` for each layer."),
           Exercise("model.py", "compute_logits", ("CausalLM.compute_logits",),
                    "the LM head (self.lm_head) over the given hidden rows, as float32 whatever the model's dtype: "
                    "[rows, vocab]."))),
@@ -90,39 +120,64 @@ STEPS: tuple[Step, ...] = (
          "greedy rows ignore the noise; top-p keeps the token that crosses it, on what top-k kept; the noise "
          "depends on the request's seed and the token's position alone",
          (Exercise("sampler.py", "sample", ("Sampler.__call__",),
-                   "return a list of `SampledToken(token_id, logprobs)`, one per row of logits [rows, vocab]. "
-                   "First `logits = self.apply_grammars(logits, seqs)` (structured requests: their format's tokens "
-                   "only), then `self.apply_penalties(logits, seqs)` (keep the logits from before the penalties "
-                   "for the log-probabilities); then a greedy row (`seq.params.greedy`) takes its argmax; the "
-                   "other rows "
-                   "divide their logits by their temperature, go through self.filtered_probs together, and each "
-                   "takes `argmax(probs / noise)` with its own `self.exponential_noise(seq, vocab)`; each row's "
-                   "logprobs are `self.logprobs(model_logits, seqs, token_ids)`'s, after "
-                   "`self.advance_grammars(seqs, token_ids)`: the tests recompute every row's token."),
+                   "logits [rows, vocab] (float32, a row per sequence of seqs) in; a list of "
+                   "`SampledToken(token_id, logprobs)` out, one per row. A structured request's row keeps only "
+                   "its format's tokens (self.apply_grammars), then the penalties apply (self.apply_penalties); "
+                   "a greedy row (`seq.params.greedy`) takes its argmax; every other row divides its logits by "
+                   "its temperature, goes through self.filtered_probs, and takes `argmax(probs / noise)` with "
+                   "its own `self.exponential_noise(seq, vocab)`. Then each grammar reads its row's token "
+                   "(self.advance_grammars), and each row's logprobs are what self.logprobs gives for the logits "
+                   "from before the penalties. The tests recompute every row's token.",
+                   how="`logits = self.apply_grammars(logits, seqs)`, kept as the model's logits before "
+                   "`self.apply_penalties(logits, seqs)`; `tokens = logits.argmax(dim=-1)`; the other rows "
+                   "together: their indices and temperatures as tensors (to_device), `self.filtered_probs("
+                   "logits[index] / temperature[:, None], sampled)`, their noise stacked, and `tokens[index] = "
+                   "(probs / noise).argmax(dim=-1)`; then `token_ids = tokens.tolist()`, "
+                   "`self.advance_grammars(seqs, token_ids)` and `self.logprobs(model_logits, seqs, "
+                   "token_ids)`."),
           Exercise("sampler.py", "penalties", ("Sampler.apply_penalties",),
                    "for each row whose `seq.params.has_penalties`: the repetition penalty on every token of the "
                    "prompt or the output (a positive logit divided by it, a negative one multiplied), then minus "
                    "`frequency_penalty` times each token's count in the output and `presence_penalty` once for "
                    "each token in it. Return new logits (the caller's stay as they are), or the same tensor when "
-                   "no row has penalties."),
+                   "no row has penalties.",
+                   how="clone the logits; per row, the output's counts `bincount(minlength=vocab)`; for the "
+                   "repetition penalty, a mask of the tokens seen (counts > 0, the prompt's tokens set too) and "
+                   "`torch.where(row > 0, row / penalty, row * penalty)` where it is set; then subtract "
+                   "`frequency_penalty * counts + presence_penalty * (counts > 0)` in place."),
           Exercise("sampler.py", "logprobs", ("Sampler.logprobs",),
                    "for each row whose `seq.params.logprobs` is k (not None), what `ranked_logprobs` gives for its "
-                   "logits, its chosen token and k (the rows that ask, in one call); None for the other rows."),
+                   "logits, its chosen token and k; None for the other rows.",
+                   how="the rows that ask in one call: their logits (an index tensor), their chosen tokens as a "
+                   "tensor and their ks; each answer back at its row."),
           Exercise("sampler.py", "ranked_logprobs", ("ranked_logprobs",),
                    "row by row of logits [rows, vocab], a dict `{token: Logprob(logprob, rank)}` from their "
                    "log_softmax: the row's chosen token first (rank: 1 + the number of likelier tokens), then its "
-                   "k likeliest in order (rank 1, 2, ...; the chosen one not twice). The runner scores a prompt's "
-                   "tokens with it too, each prompt token in the chosen one's place."),
+                   "k likeliest in order (rank 1, 2, ...; the chosen one not twice; none whose log-probability is "
+                   "-inf, a token a grammar masked). The runner scores a prompt's tokens with it too, each prompt "
+                   "token in the chosen one's place.",
+                   how="log_softmax once; the chosen tokens' values with `gather`; the ranks `(logprobs > "
+                   "chosen's).sum(dim=-1) + 1`; one `topk(max(ks))` for all rows; then a dict per row, the chosen "
+                   "token first, `setdefault` for each of its top k."),
           Exercise("sampler.py", "filtered_probs", ("Sampler.filtered_probs",),
-                   "the probabilities [rows, vocab] after each row's top-k (-1, or a top_k beyond the vocabulary, "
-                   "keeps every token), then top-p on what top-k kept: a token stays if the tokens ranked above it "
-                   "hold at most top_p, so the one that crosses top_p stays; filtered tokens get probability 0. "
-                   "Compared with transformers' TopKLogitsWarper, then TopPLogitsWarper, within 1e-7 + 1e-5 of p."),
+                   "logits [rows, vocab] in (divided by the temperature already), probabilities [rows, vocab] "
+                   "out. Each row keeps its top_k likeliest tokens (-1, or a top_k beyond the vocabulary, keeps "
+                   "every token); then top-p, on the probabilities of what top-k kept (their softmax): a token "
+                   "stays exactly when the tokens ranked above it hold at most top_p in all, so the token whose "
+                   "probability takes the mass past top_p stays too. Filtered tokens get probability 0, kept "
+                   "ones the softmax over the kept tokens' logits. Compared with transformers' TopKLogitsWarper, "
+                   "then TopPLogitsWarper, within 1e-7 + 1e-5 of p.",
+                   how="sort each row, descending, keeping the order; -inf at ranks >= k; the softmax of that; "
+                   "the mass before each token is `cumsum - probs`; -inf where it exceeds top_p; scatter the "
+                   "sorted logits back to their columns (into a tensor of -inf) and take the softmax. With every "
+                   "top_k -1 and every top_p 1.0, the plain softmax."),
           Exercise("sampler.py", "exponential_noise", ("Sampler.exponential_noise",),
-                   "Exponential(1) noise [vocab] for the sequence's next token: seed self.generator with "
-                   "`noise_seed(seq.seed, seq.num_tokens)`, then draw `torch.empty(vocab, "
-                   "device=self.device).exponential_(generator=self.generator)`, so that nothing else changes it "
-                   "(the tests draw the same numbers and compare them exactly)."))),
+                   "Exponential(1) noise [vocab] for the sequence's next token, a function of "
+                   "`noise_seed(seq.seed, seq.num_tokens)` alone: the tests seed a generator with it, draw "
+                   "`torch.empty(vocab, device=self.device).exponential_(generator=...)`, and compare the "
+                   "numbers exactly.",
+                   how="`self.generator.manual_seed(...)`, then draw with `generator=self.generator` at once, so "
+                   "that nothing else draws from it in between."))),
     # transformers' tokens on tiny random checkpoints; the CPU's packed linear layers ("auto") are no part of the
     # lesson, and the contract runs them
     Step("the loop: transformers' tokens and stops",
@@ -138,12 +193,20 @@ STEPS: tuple[Step, ...] = (
                    "(only the last new token predicts), sample_seqs [seq], and prompt_rows "
                    "`PromptLogprobRows.of(seq, 0, start, start + num_new)` (the rows that score the prompt, if "
                    "the request asks for prompt_logprobs). With self.decode_kernel set, a step of one new token "
-                   "also sets `ctx.kernel_batch = self.kernel_batch(ctx.context_len)`."),
+                   "also sets `ctx.kernel_batch = self.kernel_batch(ctx.context_len)`.",
+                   how="`(seq,), (num_new,) = batch.seqs, batch.num_new_tokens`; `torch.tensor` of the token "
+                   "ids and `torch.arange` of the positions, on self.device; `AttentionContext(self.k_cache, "
+                   "self.v_cache, slot_mapping=positions, context_len=...)`; `ModelInputs(input_ids, positions, "
+                   "ctx, sample_rows=..., sample_seqs=..., prompt_rows=...)`."),
           Exercise("model_runner.py", "execute", ("ModelRunner.execute",),
-                   "prepare the inputs, run self.model over them once, take the hidden rows of "
-                   "inputs.sample_rows through self.compute_logits (the CPU's packed head, or the model's), and "
-                   "return a StepOutput: what self.sampler gives for inputs.sample_seqs (a SampledToken each), "
-                   "and `self.prompt_logprobs(hidden, inputs.prompt_rows)`."),
+                   "one step of the batch: a StepOutput of what self.sampler gives for inputs.sample_seqs (a "
+                   "SampledToken each) from the logits of the hidden rows at inputs.sample_rows, and "
+                   "`self.prompt_logprobs(hidden, inputs.prompt_rows)`; self.model runs once, over the inputs "
+                   "self.prepare_inputs gives, and the logits come from self.compute_logits (the CPU's packed "
+                   "head, or the model's).",
+                   how="`inputs = self.prepare_inputs(batch)`; `hidden = self.model(inputs.input_ids, "
+                   "inputs.positions, inputs.ctx)`; `self.sampler(self.compute_logits(hidden["
+                   "inputs.sample_rows]), inputs.sample_seqs)`."),
           Exercise("engine.py", "stop_rules", ("LLMEngine._append_token",),
                    "append token to seq.token_ids; set seq.metrics.first_token_time (the first time only), "
                    "last_token_time and num_output_tokens; then the stop rules, the first that matches wins: a "
@@ -151,7 +214,10 @@ STEPS: tuple[Step, ...] = (
                    "finishes with `seq.finish(\"stop\")` and never reaches the detokenizer (it adds no text); "
                    "else `seq.detokenizer.add_token(token)` returns a stop string: \"stop\"; else "
                    "params.max_tokens output tokens: \"length\"; else seq.num_tokens reaches "
-                   "self.config.max_model_len: \"length\"."))),
+                   "self.config.max_model_len: \"length\".",
+                   how="one `time.perf_counter()` for both times; then an if/elif chain in the rules' order, "
+                   "each branch one `seq.finish(...)`, the detokenizer fed in the second condition itself, so "
+                   "that a stop token never reaches it."))),
     contract("m1"),
 )
 # --8<-- [end:m1]

@@ -13,44 +13,52 @@ STEPS: tuple[Step, ...] = (
          "the scheduler plans every step from scratch: decodes first, then unfinished prefills, then admissions "
          "in arrival order while fewer than max_num_seqs run, each request getting min(tokens left, budget left)",
          (Exercise("scheduler.py", "schedule", ("Scheduler.schedule",),
-                   "plan one step from scratch with a budget of max_num_batched_tokens: the running requests "
-                   "first, decodes (one token left to compute) before prefills and arrival order within each "
-                   "(a stable sort), each through `budget -= self._take(batch, seq, budget)`, stopping once the "
-                   "budget is 0; then, while budget is left and fewer than max_num_seqs run, admit the front of "
-                   "self.waiting (popleft): status RUNNING, `self.kv_slot[seq.request_id] = "
-                   "self.free_slots.pop()`, appended to self.running, then taken. Return the "
-                   "`ScheduledBatch([], [], [])` you filled, or None if it holds no request."),
+                   "plan one step from scratch within a budget of max_num_batched_tokens tokens: the running "
+                   "requests first, decodes (one token left to compute) before prefills and arrival order within "
+                   "each, each taken with self._take until the budget is spent; then, while budget is left and "
+                   "fewer than max_num_seqs run, the front of self.waiting is admitted (status RUNNING, a KV slot "
+                   "of its own from self.free_slots in `self.kv_slot[seq.request_id]`, appended to self.running) "
+                   "and taken. Return the ScheduledBatch, or None if it holds no request.",
+                   how="`batch = ScheduledBatch([], [], [])`; a stable sort of self.running keyed on \"more than "
+                   "one token left\"; `budget -= self._take(batch, seq, budget)`, breaking at a budget of 0; "
+                   "admission pops with popleft and `self.free_slots.pop()`."),
           Exercise("scheduler.py", "schedule", ("Scheduler._take",),
-                   "schedule `min(tokens left to compute, budget)` new tokens of seq: append seq, that number "
-                   "and its slot `self.kv_slot[seq.request_id]` to batch.seqs, batch.num_new_tokens and "
-                   "batch.kv_slots; return the number, which the caller takes from the budget."))),
+                   "schedule `min(tokens left to compute, budget)` new tokens of seq: seq, that number and its "
+                   "slot `self.kv_slot[seq.request_id]` go into the batch (batch.seqs, batch.num_new_tokens, "
+                   "batch.kv_slots); return the number, which the caller takes from the budget.",
+                   how="three appends and a return."))),
     Step("one packed forward: inputs and attention",
          ("tests/m2/test_prepare_inputs.py", "tests/m2/test_attention.py"),
          "a request's new tokens sit at num_computed_tokens, num_computed_tokens + 1, ...; its span's "
          "context_len counts every token it attends to, this step's included; only a chunk that reaches the end "
          "of its tokens samples; attention writes this layer's new keys and values before anyone reads them",
          (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
-                   "pack every scheduled request's new tokens, `token_ids[num_computed_tokens : "
-                   "num_computed_tokens + num_new]` at positions num_computed_tokens, ..., into one flat batch, "
-                   "each token going to its request's KV slot (batch.kv_slots), with one `RequestSpan(row, row "
-                   "+ num_new, slot, num_computed_tokens + num_new)` per request (row: its first row). With "
-                   "self.decode_kernel set, the spans of requests with one new token go to a list of decodes "
-                   "instead, and `ctx.kernel_batch = self.kernel_batch(decodes)`; with self.batched_attention "
-                   "set, `ctx.ragged_batch = self.ragged_batch(spans)`. A request whose chunk reaches "
-                   "the end of its tokens samples from its last row (sample_rows, and its seq in sample_seqs). "
-                   "Every request adds `PromptLogprobRows.of(seq, row, start, end)` to prompt_rows. "
-                   "Return `ModelInputs(input_ids, positions, ctx, sample_rows, sample_seqs)` with "
-                   "`ctx = AttentionContext(self.k_cache, self.v_cache, token_slots, positions, spans)`, the "
-                   "lists of numbers made tensors with self._tensor."),
+                   "every scheduled request's new tokens, `token_ids[num_computed_tokens : num_computed_tokens + "
+                   "num_new]` at positions num_computed_tokens, ..., packed one request after the other into one "
+                   "flat batch, each token going to its request's KV slot (batch.kv_slots), with one "
+                   "`RequestSpan(row, row + num_new, slot, num_computed_tokens + num_new)` per request (row: its "
+                   "first row). With self.decode_kernel set, the spans of requests with one new token go to a "
+                   "list of decodes instead, and `ctx.kernel_batch = self.kernel_batch(decodes)`; with "
+                   "self.batched_attention set, `ctx.ragged_batch = self.ragged_batch(spans)`. A request whose "
+                   "chunk reaches the end of its tokens samples from its last row (sample_rows, and its seq in "
+                   "sample_seqs). Every request adds `PromptLogprobRows.of(seq, row, start, end)` to "
+                   "prompt_rows. Return `ModelInputs(input_ids, positions, ctx, sample_rows, sample_seqs, "
+                   "prompt_rows)` with `ctx = AttentionContext(self.k_cache, self.v_cache, token_slots, "
+                   "positions, spans)`.",
+                   how="one list per field (a token's id, position and slot; the spans; the decodes; the rows), "
+                   "filled in one loop over zip(batch.seqs, batch.num_new_tokens, batch.kv_slots), row being "
+                   "the number of tokens packed so far; the lists of numbers made tensors with self._tensor."),
           Exercise("attention.py", "attention", ("attention",),
-                   "with `k_cache = ctx.k_cache[layer]` (and v), write the new keys and values first, "
-                   "`k_cache[ctx.token_slots, :, ctx.positions] = k`. If ctx.ragged_batch is set (batched "
-                   "attention, CUDA's speed-up), return `ctx.ragged_batch(q, k_cache, v_cache)`, the whole step "
-                   "in one call. If ctx.kernel_batch is set, its rows are "
-                   "`batch.kernel(q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, "
-                   "head_dim ** -0.5)`. Each span of ctx.requests attends over its own slot's first context_len "
-                   "positions, `k_cache[span.kv_slot, :, : span.context_len]`, with decode_attention for one "
-                   "row and prefill_attention for a chunk. Return the output, shaped like q."))),
+                   "the new keys and values written first, into this layer's cache (`ctx.k_cache[layer]`, and "
+                   "v) at each token's slot and position; then the output, shaped like q: if ctx.ragged_batch is "
+                   "set (batched attention, CUDA's speed-up), `ctx.ragged_batch(q, k_cache, v_cache)`, the "
+                   "whole step in one call; if ctx.kernel_batch is set, its rows are `batch.kernel("
+                   "q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, head_dim ** "
+                   "-0.5)`; each span of ctx.requests attends over its own slot's first context_len positions, "
+                   "with decode_attention for one row and prefill_attention for a chunk.",
+                   how="`k_cache[ctx.token_slots, :, ctx.positions] = k`; `out = torch.empty_like(q)`; a span's "
+                   "keys are `k_cache[span.kv_slot, :, : span.context_len]` (a view, no copy), its rows "
+                   "`out[span.start : span.end]`."))),
     Step("the engine, the same tokens as m1", ("tests/m2/test_vs_m1.py",),
          "an integrity message (every batch is checked as it is scheduled, the bookkeeping after every step) "
          "names the rule that broke; 'output token T differs' means steps 1 and 2 held on their examples but "

@@ -15,10 +15,15 @@ STEPS: tuple[Step, ...] = (
                    "extend the request's block table (a new request starts an empty one) with blocks from the "
                    "front of the free list until it can hold num_tokens tokens, and return the table. If too few "
                    "are free, change nothing and raise `RuntimeError(f\"{request_id} needs {needed} blocks but "
-                   "only {self.num_free_blocks} are free\")` (the test matches 'needs 1 blocks')."),
+                   "only {self.num_free_blocks} are free\")` (the test matches 'needs 1 blocks').",
+                   how="`needed = self.num_new_blocks(request_id, num_tokens)`; the table from "
+                   "`self.block_tables.setdefault(request_id, [])`, extended with `self.free_blocks.popleft()` "
+                   "needed times."),
           Exercise("block_manager.py", "free", ("BlockManager.free",),
                    "return every block of the request to the free list and drop its table; freeing a request "
-                   "that holds no blocks (never grown, or freed already) does nothing, without an error."))),
+                   "that holds no blocks (never grown, or freed already) does nothing, without an error.",
+                   how="one line: extend self.free_blocks with what `self.block_tables.pop(request_id, ())` "
+                   "gives."))),
     Step("slot mapping and paged attention",
          ("tests/m3/test_prepare_inputs.py", "tests/m3/test_paged_attention.py"),
          "token p of a request lives in block table[p // block_size], at offset p % block_size; a span's first "
@@ -27,14 +32,19 @@ STEPS: tuple[Step, ...] = (
                    "as in m2 (ids, positions, the rows that sample and score the prompt, decodes to "
                    "self.kernel_batch when self.decode_kernel is set, and `ctx.ragged_batch = "
                    "self.ragged_batch(requests, ctx.block_tables)` when self.batched_attention is set), but token "
-                   "p goes to slot "
-                   "`table[p // block_size] * block_size + p % block_size`, and each request's "
+                   "p goes to slot `table[p // block_size] * block_size + p % block_size`, and each request's "
                    "`RequestSpan(start, end, table[: -(-end // block_size)], end)` carries its table cut to its "
                    "context. ctx.block_tables is the tables of ctx.requests one after the other; each of those "
-                   "spans' first is block_size times the number of blocks before its own there."),
+                   "spans' first is block_size times the number of blocks before its own there.",
+                   how="m2's loop over zip(batch.seqs, batch.num_new_tokens, batch.block_tables), the slots "
+                   "computed per position; then a second loop over the spans that are not decodes, setting "
+                   "`span.first = len(block_tables) * block_size` before adding the span's table to "
+                   "block_tables; `AttentionContext(self.k_cache, self.v_cache, slot_mapping, block_tables, "
+                   "requests)`, the lists made tensors with self._tensor."),
           Exercise("attention.py", "gather", ("gather",),
-                   "read the blocks of the tables, in order, into one run of keys (or values): "
-                   "`[kv_heads, len(tables) * block_size, dim]`."))),
+                   "read the blocks of the tables, in order, out of cache [kv_heads, num_blocks, block_size, "
+                   "dim] into one run of keys (or values): `[kv_heads, len(tables) * block_size, dim]`.",
+                   how="one copy: `index_select` on the block dimension, then a view."))),
     Step("scheduler: admission and preemption", ("tests/m3/test_scheduler.py",),
          "admission is first come, first served and needs the first chunk's blocks plus one free block per "
          "request already running (not the newcomer), none after a preemption; the victim is the latest admitted "
@@ -48,15 +58,22 @@ STEPS: tuple[Step, ...] = (
                    "of the queue, within max_num_seqs and the budget as in m2 (RUNNING, appended to self.running, "
                    "then taken), while `new blocks of its first chunk + len(self.running) <= free blocks` (the "
                    "newcomer is not counted), stopping at the first that does not fit, and nobody in a step that "
-                   "preempted. Return None if nothing is scheduled."),
+                   "preempted. Return None if nothing is scheduled.",
+                   how="a queue, self.running sorted decodes first; pop its front; `while not "
+                   "self.block_manager.can_grow(...)`: the victim is `max(queue, key=self.running.index)`, or "
+                   "the request itself when the queue is empty (then break); a while/else takes the request when "
+                   "no break happened. Admission peeks at `self.waiting[0]` and asks "
+                   "`self.block_manager.num_new_blocks` for its first chunk."),
           Exercise("scheduler.py", "schedule", ("Scheduler._take",),
-                   "schedule num_new tokens of seq: append seq, num_new and its table, grown with "
-                   "`self.block_manager.grow(seq.request_id, seq.num_computed_tokens + num_new)`, to the batch's "
-                   "three lists; return num_new, the tokens it takes from the budget."),
+                   "schedule num_new tokens of seq: seq, num_new and its table, grown to hold "
+                   "`seq.num_computed_tokens + num_new` tokens, go into the batch's three lists; return num_new, "
+                   "the tokens it takes from the budget.",
+                   how="the table is what `self.block_manager.grow(seq.request_id, ...)` returns."),
           Exercise("scheduler.py", "schedule", ("Scheduler._preempt",),
-                   "recompute later: take seq out of self.running, free its blocks, set its num_computed_tokens "
-                   "to 0 and its status to WAITING, put it at the front of the waiting queue (appendleft: it is "
-                   "readmitted first), and count it in self.num_preemptions (the KV report shows it)."))),
+                   "recompute later: seq leaves self.running, its blocks are freed, its num_computed_tokens is 0 "
+                   "and its status WAITING; it goes to the front of the waiting queue (it is readmitted first), "
+                   "and self.num_preemptions counts it (the KV report shows it).",
+                   how="`self.block_manager.free(seq.request_id)`; `self.waiting.appendleft(seq)`."))),
     Step("the engine, the same tokens as m2", ("tests/m3/test_vs_m2.py",),
          "an integrity message (every batch is checked as it is scheduled, the bookkeeping after every step) "
          "names the rule that broke; 'output token T differs' means the bookkeeping held but a token was "

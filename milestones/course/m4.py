@@ -14,50 +14,70 @@ STEPS: tuple[Step, ...] = (
          "count in num_evictable_blocks exactly while its lock_ref is 0; eviction takes unlocked leaves, least "
          "recently used first",
          (Exercise("radix_tree.py", "match_prefix", ("RadixTree.match_prefix",),
-                   "walk `self._shared_edges(tokens)` from the root: an edge shared only in part is cut with "
-                   "`self._split(child, same)` so the match ends at a node; stamp every node passed with "
-                   "`node.last_access = next(self._clock)` and gather its blocks. Return (the blocks of the "
-                   "match, its last node), ([], self.root) when nothing matches."),
+                   "the longest cached prefix of tokens, in whole blocks: (its blocks, its last node), ([], "
+                   "self.root) when nothing matches. An edge the tokens share only in part is cut, so that the "
+                   "match ends at a node; every node passed is stamped `node.last_access = next(self._clock)`.",
+                   how="walk `self._shared_edges(tokens)` from the root, which gives each (child, blocks shared); "
+                   "cut with `self._split(child, same)` when fewer than the child's blocks are shared; gather "
+                   "each node's blocks."),
           Exercise("radix_tree.py", "insert", ("RadixTree.insert",),
-                   "walk from the root block by block (children are keyed by their first block's tokens); "
-                   "where the tree has the tokens keep its blocks (split an edge shared in part), and where "
-                   "the path ends hang `Node(tuple(tokens[i:]), list(blocks[i // block_size:]), parent=node)`, "
-                   "whose blocks are new and unlocked, so they count in num_evictable_blocks. Stamp every node "
-                   "passed or made (last_access). Return (the last node, the list of blocks the tree newly "
-                   "took over), [] when it had every token."),
+                   "add a computed prefix (whole blocks): where the tree has the tokens already it keeps its own "
+                   "blocks (an edge shared in part is split), and the rest hangs below as one new node, "
+                   "`Node(tuple(tokens[i:]), list(blocks[i // block_size:]), parent=node)`, whose blocks are new "
+                   "and unlocked, so they count in num_evictable_blocks. Every node passed or made is stamped "
+                   "(last_access). Return (the last node, the list of blocks the tree newly took over), [] when "
+                   "it had every token.",
+                   how="walk from the root block by block: children are keyed by their first block's tokens, "
+                   "`node.children.get(tuple(tokens[i : i + self.block_size]))`; `self._common_blocks(child, "
+                   "tokens, i)` counts the blocks an edge shares; move i on by the length of the node's "
+                   "tokens."),
           Exercise("radix_tree.py", "lock", ("RadixTree.lock",),
                    "add one to lock_ref of the node and of every node up to the root; a node whose lock_ref "
-                   "leaves 0 takes its blocks off num_evictable_blocks."),
+                   "leaves 0 takes its blocks off num_evictable_blocks.",
+                   how="follow node.parent until None."),
           Exercise("radix_tree.py", "unlock", ("RadixTree.unlock",),
                    "take one off lock_ref of the node and of every node up to the root; a node whose lock_ref "
-                   "returns to 0 puts its blocks back in num_evictable_blocks."),
+                   "returns to 0 puts its blocks back in num_evictable_blocks.",
+                   how="follow node.parent until None, as lock does."),
           Exercise("radix_tree.py", "evict", ("RadixTree.evict",),
-                   "take the unlocked leaves (no children, lock_ref 0) in order of last_access, oldest first; "
-                   "drop each whole (out of its parent's children, its blocks off num_evictable_blocks), and "
-                   "when a parent is left childless and unlocked it becomes a candidate in turn. Stop once "
-                   "num_blocks blocks are released or no candidate is left; return the released blocks."))),
+                   "release at least num_blocks blocks (or every one it can): unlocked leaves (no children, "
+                   "lock_ref 0) go whole, least recently used (last_access) first, each out of its parent's "
+                   "children and its blocks off num_evictable_blocks; a parent left childless and unlocked "
+                   "becomes a candidate in turn. Return the released blocks.",
+                   how="a heap of (last_access, id(node), node) over `self._nodes()`'s leaves; pop until enough "
+                   "are released or it is empty, pushing a parent that became a leaf."))),
     Step("scheduler: match, cache, evict", ("tests/m4/test_cache_steps.py", "tests/m4/test_scheduler.py"),
          "the match is made on token_ids[:-1]; a request's whole computed blocks go into the tree at the start "
          "of every step; blocks the tree adopts gain a holder; a request locks the deepest node it uses and "
          "only that one; eviction, least recently used first, comes before any preemption and only if it is "
          "enough",
          (Exercise("scheduler.py", "schedule", ("Scheduler._match",),
-                   "with a tree (self.tree is not None): `self.tree.match_prefix(seq.token_ids[:-1])` (never "
-                   "the last token: its logits are needed), start the request's table with the matched blocks "
-                   "(`self.block_manager.share(seq.request_id, blocks)`), lock the last node and keep it in "
-                   "`self.locked[seq.request_id]`, and set both num_computed_tokens and num_cached_tokens to "
-                   "the matched tokens."),
+                   "with a tree (self.tree is not None; else nothing): start the request from the longest cached "
+                   "prefix of its tokens but the last (its logits are needed), or from nothing if it asks for "
+                   "prompt_logprobs (it computes every prompt token): its table starts with the matched blocks, "
+                   "shared; the match's last node is locked and kept in `self.locked[seq.request_id]`, with the "
+                   "tokens from the root to it in `self.locked_tokens[seq.request_id]`; num_computed_tokens and "
+                   "num_cached_tokens are the matched tokens.",
+                   how="`self.tree.match_prefix(seq.token_ids[:-1])` (or of [] for prompt_logprobs), "
+                   "`self.block_manager.share(seq.request_id, blocks)`, `self.tree.lock(node)`; the matched "
+                   "tokens are `len(blocks) * self.config.block_size`."),
           Exercise("scheduler.py", "schedule", ("Scheduler._cache",),
-                   "with a tree: insert the request's whole computed blocks, its first "
-                   "`num_computed_tokens // block_size` blocks and their tokens, into the tree; "
-                   "`self.block_manager.hold(block)` for each block insert adopted; lock the node insert "
-                   "returned, unlock the one in self.locked and keep the new one there."),
+                   "with a tree: the request's whole computed blocks, its first `num_computed_tokens // "
+                   "block_size` blocks and their tokens, go into the tree (nothing to do when they are no more "
+                   "than self.locked_tokens counts); each block the tree adopts gains a holder; the request then "
+                   "locks the node insert returned instead of the one in self.locked, and self.locked and "
+                   "self.locked_tokens say so.",
+                   how="`self.tree.insert(tokens, table[:num_blocks])` with the table from "
+                   "`self.block_manager.block_tables`; `self.block_manager.hold(block)` for each adopted block; "
+                   "lock the new node before unlocking the old one (they may share a path)."),
           Exercise("scheduler.py", "schedule", ("Scheduler._make_room",),
-                   "the blocks the request needs to hold num_tokens tokens "
-                   "(`self.block_manager.num_new_blocks`) plus headroom: if fewer are free and the tree's "
-                   "num_evictable_blocks can make up the difference, `self.tree.evict(missing)` and "
-                   "`self.block_manager.release(block)` each block it returns; if not, evict nothing. Return "
-                   "whether the needed blocks are free now."),)),
+                   "whether the blocks the request needs to hold num_tokens tokens, plus headroom, are free; "
+                   "if fewer are free and the tree's num_evictable_blocks can make up the difference, the "
+                   "missing blocks are evicted first (and go back to the block manager); if eviction cannot "
+                   "make up all of it, nothing is evicted.",
+                   how="`self.block_manager.num_new_blocks(seq.request_id, num_tokens) + headroom`; "
+                   "`self.tree.evict(missing)`, then `self.block_manager.release(block)` for each block it "
+                   "returns."),)),
     Step("the engine, the same tokens as m3", ("tests/m4/test_vs_m3.py",),
          "an integrity message (every batch is checked as it is scheduled, the bookkeeping after every step) "
          "names the rule that broke: a lock lost, a reference count off, a block freed while cached; 'output "

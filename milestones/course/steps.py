@@ -13,7 +13,8 @@ class Exercise:
     file: str  # in the milestone's package
     section: str  # the snippet section (as the docs include it) that holds the functions
     functions: tuple[str, ...]  # qualified names, e.g. "BlockManager.grow"
-    todo: str  # what to build, in a sentence
+    todo: str  # the contract: what goes in, what comes out, the rule (all a TODO says with HINTS=0)
+    how: str = ""  # the hint: how to build it, step by step (the TODO's "How:" paragraph, left out with HINTS=0)
 
 
 @dataclass(frozen=True, slots=True)
