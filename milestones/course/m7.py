@@ -67,16 +67,23 @@ STEPS: tuple[Step, ...] = (
          "row's chunk), with the first guesses, then one guess per forward; a rejected guess's slot holds "
          "another token afterwards, so trim (step 2) counts the draft's KV back",
          (Exercise("drafter.py", "draft_model", ("DraftModelProposer.propose_batch",),
-                   "give each row a `DraftView(seq.token_ids[:end], seq.num_drafted_tokens, params, seq.seed, "
-                   "seq.prompt_token_ids, room)`, end being num_computed_tokens + the row's num_new_tokens, params "
-                   "without logprobs or prompt_logprobs, room `batch.guess_rooms.get(row, 0)`. While some view is "
+                   "the draft computes, for every row of the batch, its tokens from seq.num_drafted_tokens to the "
+                   "end of the row's chunk (num_computed_tokens + num_new_tokens), and up to "
+                   "`batch.guess_rooms.get(row, 0)` guesses, one more forward each; afterwards each "
+                   "seq.num_drafted_tokens says how far the draft computed. Return `{row: [guesses]}` for every "
+                   "row with room. With self.rejection, each sampled (not greedy) request's guesses also get the "
+                   "distribution each was drawn from, in order: `batch.guess_probs[request_id]`.",
+                   how="give each row a `DraftView(seq.token_ids[:end], seq.num_drafted_tokens, params, seq.seed, "
+                   "seq.prompt_token_ids, room)`, params without logprobs or prompt_logprobs. While some view is "
                    "active (first all of them, then those with room left), one forward of the draft over them: "
                    "`self.runner.execute(sampling_guesses_only(self.runner.prepare(ScheduledBatch(views, new "
                    "tokens, tables))))`, new tokens being each view's tokens not yet computed, gives one token per "
                    "view with room, in order (sampled by the request's own rules): every view is now computed to "
                    "its end, and a view with room appends its token, adds it to its row's guesses and has one "
-                   "less room. Then set each `seq.num_drafted_tokens` to its view's num_computed_tokens and "
-                   "return the guesses, `{row: [...]}` for every row with room."),)),
+                   "less room; with self.rejection, a view that is not greedy also appends the next of "
+                   "`self.runner.sampler.drawn_from` (read after the forward) to its request's "
+                   "`batch.guess_probs` list. Then set each `seq.num_drafted_tokens` to its view's "
+                   "num_computed_tokens."),)),
     Step("rejection sampling: the model's distribution, not m6's tokens",
          ("tests/m7/test_rejection.py", "-k", "not engine_keeps"),  # the rule; the engine-wide tests run in make test
          "keep a guess when u * q(guess) < p(guess); otherwise draw from max(p - q, 0), never from p itself",
