@@ -38,9 +38,9 @@ STEPS: tuple[Step, ...] = (
                    "num_blocks blocks are released or no candidate is left; return the released blocks."))),
     Step("scheduler: match, cache, evict", ("tests/m4/test_cache_steps.py", "tests/m4/test_scheduler.py"),
          "the match is made on token_ids[:-1]; a request's whole computed blocks go into the tree at the start "
-         "of every step; blocks the tree adopts gain a holder; a request locks the deepest node it uses and "
-         "only that one; eviction, least recently used first, comes before any preemption and only if it is "
-         "enough",
+         "of every step; blocks the tree adopts gain a holder; a request that computed blocks the tree already "
+         "held switches to the tree's and frees its own; a request locks the deepest node it uses and only that "
+         "one; eviction, least recently used first, comes before any preemption and only if it is enough",
          (Exercise("scheduler.py", "schedule", ("Scheduler._match",),
                    "with a tree (self.tree is not None): `self.tree.match_prefix(seq.token_ids[:-1])` (never "
                    "the last token: its logits are needed), start the request's table with the matched blocks "
@@ -50,7 +50,9 @@ STEPS: tuple[Step, ...] = (
           Exercise("scheduler.py", "schedule", ("Scheduler._cache",),
                    "with a tree: insert the request's whole computed blocks, its first "
                    "`num_computed_tokens // block_size` blocks and their tokens, into the tree; "
-                   "`self.block_manager.hold(block)` for each block insert adopted; lock the node insert "
+                   "`self.block_manager.hold(block)` for each block insert adopted; where the tree held the "
+                   "tokens first, switch the request to its blocks "
+                   "(`self.block_manager.use_cached(seq.request_id, _path_blocks(node))`); lock the node insert "
                    "returned, unlock the one in self.locked and keep the new one there."),
           Exercise("scheduler.py", "schedule", ("Scheduler._make_room",),
                    "the blocks the request needs to hold num_tokens tokens "
