@@ -279,6 +279,14 @@ CATALOGUE = (
         "a request that extends its cached path locks the new end but never unlocks the old one",
     ),
     Mutation(
+        "m4-cache-keeps-duplicates", "milestones/m4/scheduler.py",
+        "        self.block_manager.use_cached(seq.request_id, _path_blocks(node))\n",
+        "",
+        ("tests/m4/test_cache_steps.py::"
+         "test_a_request_computing_a_prompt_the_tree_holds_keeps_one_copy_and_finishes_in_a_tight_pool",),
+        "a request that computed a prefix the tree already held keeps its own copies and locks the tree's too",
+    ),
+    Mutation(
         "m4-evict-most-recent", "milestones/m4/radix_tree.py",
         "leaves = [(n.last_access, id(n), n)", "leaves = [(-n.last_access, id(n), n)",
         ("tests/m4/test_radix_tree.py::test_locked_paths_are_never_evicted_and_eviction_is_lru",),

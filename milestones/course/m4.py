@@ -48,9 +48,9 @@ STEPS: tuple[Step, ...] = (
                    "are released or it is empty, pushing a parent that became a leaf."))),
     Step("scheduler: match, cache, evict", ("tests/m4/test_cache_steps.py", "tests/m4/test_scheduler.py"),
          "the match is made on token_ids[:-1]; a request's whole computed blocks go into the tree at the start "
-         "of every step; blocks the tree adopts gain a holder; a request locks the deepest node it uses and "
-         "only that one; eviction, least recently used first, comes before any preemption and only if it is "
-         "enough",
+         "of every step; blocks the tree adopts gain a holder; a request that computed blocks the tree already "
+         "held switches to the tree's and frees its own; a request locks the deepest node it uses and only that "
+         "one; eviction, least recently used first, comes before any preemption and only if it is enough",
          (Exercise("scheduler.py", "schedule", ("Scheduler._match",),
                    "with a tree (self.tree is not None; else nothing): start the request from the longest cached "
                    "prefix of its tokens but the last (its logits are needed), or from nothing if it asks for "
@@ -64,12 +64,14 @@ STEPS: tuple[Step, ...] = (
           Exercise("scheduler.py", "schedule", ("Scheduler._cache",),
                    "with a tree: the request's whole computed blocks, its first `num_computed_tokens // "
                    "block_size` blocks and their tokens, go into the tree (nothing to do when they are no more "
-                   "than self.locked_tokens counts); each block the tree adopts gains a holder; the request then "
-                   "locks the node insert returned instead of the one in self.locked, and self.locked and "
-                   "self.locked_tokens say so.",
+                   "than self.locked_tokens counts); each block the tree adopts gains a holder; where the tree "
+                   "held the tokens first, the request switches to the tree's blocks and lets its own copies go; "
+                   "the request then locks the node insert returned instead of the one in self.locked, and "
+                   "self.locked and self.locked_tokens say so.",
                    how="`self.tree.insert(tokens, table[:num_blocks])` with the table from "
                    "`self.block_manager.block_tables`; `self.block_manager.hold(block)` for each adopted block; "
-                   "lock the new node before unlocking the old one (they may share a path)."),
+                   "`self.block_manager.use_cached(seq.request_id, _path_blocks(node))`; lock the new node before "
+                   "unlocking the old one (they may share a path)."),
           Exercise("scheduler.py", "schedule", ("Scheduler._make_room",),
                    "whether the blocks the request needs to hold num_tokens tokens, plus headroom, are free; "
                    "if fewer are free and the tree's num_evictable_blocks can make up the difference, the "

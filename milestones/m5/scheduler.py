@@ -113,7 +113,8 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
 
     def _cache(self, seq: Sequence) -> None:
-        """Insert the sequence's fully computed blocks into the tree and lock its new path."""
+        """Insert the sequence's fully computed blocks into the tree, switch it to the tree's copies, and lock its
+        new path."""
         if self.tree is None:
             return
         num_blocks = seq.num_computed_tokens // self.config.block_size
@@ -123,6 +124,11 @@ class Scheduler:
         node, adopted = self.tree.insert(seq.token_ids[: num_blocks * self.config.block_size], table[:num_blocks])
         for block in adopted:
             self.block_manager.hold(block)
+        # Where the tree held the tokens first (a request asking for its prompt's log-probabilities, or one
+        # admitted beside the request that brought them), its own copies go: holding them and locking the
+        # tree's would take two blocks per block, which a tight pool may never have (it would preempt
+        # itself, recompute the prefix, and lock the tree's copies again, forever).
+        self.block_manager.use_cached(seq.request_id, _path_blocks(node))
         self.tree.lock(node)
         self.tree.unlock(self.locked[seq.request_id])
         self.locked[seq.request_id] = node
@@ -198,12 +204,22 @@ class Scheduler:
                 assert sum(len(n.tokens) for n in _path(node)) == self.locked_tokens[request_id], (
                     f"request {request_id!r}: locked_tokens is not the length of its locked path"
                 )
+                path = _path_blocks(node)
+                assert tables[request_id][: len(path)] == path, (
+                    f"request {request_id!r} holds copies of blocks that the tree has on its locked path: its table "
+                    "starts with the path's blocks (_cache hands it the tree's, block_manager.use_cached)"
+                )
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)
 
     def find(self, request_id: str) -> Sequence | None:
         return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)
+
+
+def _path_blocks(node: Node) -> list[int]:
+    """The blocks of the path from the root to ``node``, in token order."""
+    return [block for n in reversed(_path(node)) for block in n.blocks]
 
 
 def _path(node: Node) -> list[Node]:

@@ -55,6 +55,19 @@ class BlockManager:
             self.hold(block)
     # --8<-- [end:ref_counts]
 
+    # --8<-- [start:use_cached]
+    def use_cached(self, request_id: str, blocks: list[int]) -> None:
+        """Start the request's table with ``blocks``, the tree's for its first tokens: where it computed its own copy
+        of a block the tree already held, it holds the tree's and lets its own go. The same tokens at the same
+        positions have the same keys and values, so one copy in the pool is enough (SGLang's radix cache does this)."""
+        table = self.block_tables[request_id]
+        for i, block in enumerate(blocks):
+            if table[i] != block:
+                self.hold(block)
+                self.release(table[i])
+                table[i] = block
+    # --8<-- [end:use_cached]
+
     # --8<-- [start:hold_release]
     def hold(self, block: int) -> None:
         assert self.ref_count[block] > 0, "only a block in use can gain a holder"

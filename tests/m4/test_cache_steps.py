@@ -17,14 +17,16 @@ from milestones.m4.sequence import Sequence
 BLOCK_SIZE = 4
 
 
-def make_seq(request_id: str, prompt: list[int], max_tokens: int = 3) -> Sequence:
+def make_seq(request_id: str, prompt: list[int], max_tokens: int = 3, prompt_logprobs: int | None = None) -> Sequence:
     detokenizer = IncrementalDetokenizer(None, prompt, [])
-    return Sequence(request_id, None, prompt, SamplingParams(max_tokens=max_tokens), seed=0, detokenizer=detokenizer)
+    params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+    return Sequence(request_id, None, prompt, params, seed=0, detokenizer=detokenizer)
 
 
-def make_scheduler(num_kv_blocks: int, max_model_len: int = 64) -> Scheduler:
-    return Scheduler(EngineConfig(max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64,
-                                  block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks))
+def make_scheduler(num_kv_blocks: int, max_model_len: int = 64, max_num_batched_tokens: int = 64) -> Scheduler:
+    return Scheduler(EngineConfig(max_model_len=max_model_len, max_num_seqs=4,
+                                  max_num_batched_tokens=max_num_batched_tokens, block_size=BLOCK_SIZE,
+                                  num_kv_blocks=num_kv_blocks))
 
 
 def step(scheduler: Scheduler) -> list[tuple[str, int]]:
@@ -136,13 +138,15 @@ def test_a_fully_cached_prompt_matches_all_but_its_last_token_and_locks_its_path
 
 def test_a_running_requests_blocks_are_cached_at_the_start_of_the_next_step():
     """F and H, the same 13-token prompt, are admitted together and both compute it. G, added a step later with the
-    same 12 first tokens, hits them while both still run: the tree took F's blocks and none of H's."""
+    same 12 first tokens, hits them while both still run: the tree took F's blocks and none of H's, and H switched
+    to F's, freeing its own copies."""
     scheduler = make_scheduler(num_kv_blocks=16)
     shared = list(range(600, 612))
     f, h = make_seq("F", shared + [1], max_tokens=4), make_seq("H", shared + [1], max_tokens=4)
     scheduler.add(f)
     scheduler.add(h)
     step(scheduler)
+    h_own = scheduler.block_manager.block_tables["H"][:3]
     g = make_seq("G", shared + [2, 3, 4])
     scheduler.add(g)
     step(scheduler)
@@ -152,15 +156,16 @@ def test_a_running_requests_blocks_are_cached_at_the_start_of_the_next_step():
     )
     f_table, h_table = scheduler.block_manager.block_tables["F"], scheduler.block_manager.block_tables["H"]
     holders = [scheduler.block_manager.ref_count[b] for b in f_table[:3]]
-    assert holders == [3, 3, 3], (
-        f"F's first 3 blocks have {holders} holders, expected 3 each: F, the tree that adopted them "
-        "(self.block_manager.hold(block) for each block insert returns as adopted), and G"
+    assert holders == [4, 4, 4], (
+        f"F's first 3 blocks have {holders} holders, expected 4 each: F, the tree that adopted them "
+        "(self.block_manager.hold(block) for each block insert returns as adopted), H that switched to them, and G"
     )
     assert edges(scheduler)[tuple(shared)] == f_table[:3], "the tree holds F's blocks for the shared 12 tokens"
-    h_holders = [scheduler.block_manager.ref_count[b] for b in h_table[:3]]
-    assert h_holders == [1, 1, 1], (
-        f"H's own first blocks have {h_holders} holders, expected 1 each: insert keeps the tree's blocks where it "
-        "has the tokens and adopts none of H's, so none of them gains a holder"
+    h_holders = [scheduler.block_manager.ref_count[b] for b in h_own]
+    assert h_table[:3] == f_table[:3] and h_holders == [0, 0, 0], (
+        f"H's table starts with {h_table[:3]} and its own first blocks {h_own} have {h_holders} holders, expected "
+        f"F's {f_table[:3]} and 0 each: insert keeps the tree's blocks where it has the tokens, so H takes the "
+        "tree's and lets its own copies go (self.block_manager.use_cached(request_id, the blocks of the path))"
     )
     locked = scheduler.locked["F"]
     assert locked.blocks == f_table[:3] and locked.lock_ref == 3 and scheduler.locked["H"] is locked, (
@@ -169,6 +174,38 @@ def test_a_running_requests_blocks_are_cached_at_the_start_of_the_next_step():
         "each count once on the shared node"
     )
     assert scheduler.tree.root.lock_ref == 1 + len(scheduler.running), "the root counts one lock per running request"
+
+
+def test_a_request_computing_a_prompt_the_tree_holds_keeps_one_copy_and_finishes_in_a_tight_pool():
+    """W's 40-token prompt (10 blocks) is cached. L, the same prompt asking for its log-probabilities, matches
+    nothing and computes it again, 8 tokens a step. Each chunk it inserts is the tree's already: L switches to the
+    tree's blocks and frees its own. Holding its copies and locking the tree's, it would need 2 blocks per block
+    of the prompt, 21 of a pool of 16: it would preempt itself, match nothing again and recompute, forever."""
+    scheduler = make_scheduler(num_kv_blocks=16, max_num_batched_tokens=8)
+    prompt = list(range(700, 740))
+    serve(scheduler, make_seq("W", prompt))
+    tree_blocks = [b for _, blocks in sorted(edges(scheduler).items(), key=lambda edge: len(edge[0])) for b in blocks]
+    lp = make_seq("L", prompt, prompt_logprobs=1)
+    scheduler.add(lp)
+    step(scheduler)
+    own = scheduler.block_manager.block_tables["L"][:2]
+    step(scheduler)
+    table = scheduler.block_manager.block_tables["L"]
+    assert lp.num_cached_tokens == 0 and table[:2] == tree_blocks[:2], (
+        f"after its first chunk L's table starts with {table[:2]}, expected the tree's {tree_blocks[:2]} (L "
+        f"matched {lp.num_cached_tokens} tokens: a request asking for its prompt's log-probabilities matches "
+        "nothing): _cache inserts its 2 computed blocks, insert keeps the tree's, and "
+        "self.block_manager.use_cached(request_id, blocks of the locked path) switches L to them"
+    )
+    assert [scheduler.block_manager.ref_count[b] for b in own] == [0, 0], (
+        f"L's own first blocks {own} still have holders: use_cached releases each copy it replaces"
+    )
+    for _ in range(20):
+        step(scheduler)
+    assert lp.is_finished and scheduler.num_preemptions == 0, (
+        f"L is {lp.status.value} after 22 steps and was preempted {scheduler.num_preemptions} times: it needs 6 steps "
+        "for its prompt and 3 for its tokens, in 11 blocks of a pool of 16 once it holds no copy of its own"
+    )
 
 
 def warm(scheduler: Scheduler, *firsts: int) -> None:

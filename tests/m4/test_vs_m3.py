@@ -124,6 +124,22 @@ def test_trap_same_prefix_inserted_by_two_running_requests(tiny_model_path):
     assert block_manager.num_free_blocks + len(scheduler.tree.cached_blocks()) == block_manager.num_blocks
 
 
+def test_trap_a_prompt_computed_again_is_held_once_in_a_tight_pool(tiny_model_path):
+    """A request asking for its prompt's log-probabilities computes a prompt the cache holds (10 blocks of 4), in
+    chunks, in a pool of 16. It must switch to the cache's blocks as it inserts its own copies: holding both, it
+    outgrows the pool, preempts itself, matches nothing again and recomputes, until ``run``'s step cap."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 49152) for _ in range(40)]
+    first = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    second = dict(first, prompt_logprobs=1)
+    reference = run(m3, m3.LLM(tiny_model_path, **LIMITS), [prompt, prompt], [first, second])
+    llm = m4.LLM(tiny_model_path, **LIMITS, block_size=4, num_kv_blocks=16)
+    ours = run(m4, llm, [prompt], [first]) + run(m4, llm, [prompt], [second])
+    assert_same_outputs(ours, reference)
+    assert llm.engine.kv_usage()["num_preemptions"] == 0
+    checked(llm)
+
+
 def test_trap_eviction_never_touches_locked_paths(tiny_model_path):
     llm = m4.LLM(tiny_model_path, **LIMITS, block_size=4, num_kv_blocks=30)
     engine, scheduler = llm.engine, llm.engine.scheduler

@@ -30,11 +30,7 @@ LIMITS = dict(device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_t
 OPTIONS = [
     dict(),  # the pool as m6 sizes it, prefix caching on
     dict(enable_prefix_caching=False),
-    # A tight pool: requests are preempted and guess again. It holds twice the longest request that asks for its
-    # prompt's log-probabilities (23 blocks): such a request matches nothing in the cache, and when it computes its
-    # prefix again, it locks the cached copy as well as its own (m4's scheduler), so a pool that cannot hold both
-    # preempts it over and over (m6 on this workload with 24 blocks never ends).
-    dict(num_kv_blocks=46, block_size=4),
+    dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and guess again
 ]
 IDS = ["default", "no-prefix-cache", "tight-pool"]
 
