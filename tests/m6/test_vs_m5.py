@@ -45,7 +45,7 @@ def assert_all_blocks_returned(llm):
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_m6_matches_m5_on_a_mixed_workload(tiny_model_path, mixed, mixed_reference, async_scheduling):
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
-        assert_same_outputs(stepped(llm, *mixed), mixed_reference)
+        assert_same_outputs(stepped(llm.engine, m6.SamplingParams, *mixed).completions, mixed_reference)
         assert_all_blocks_returned(llm)
         assert_same_outputs(run(m6, llm, *mixed), mixed_reference)  # and through generate, on a warm engine
 
@@ -55,7 +55,7 @@ def test_m6_matches_m5_on_a_mixed_workload(tiny_model_path, mixed, mixed_referen
 def test_m6_matches_m5_with_the_decode_step_captured(tiny_model_path, mixed, mixed_reference, async_scheduling):
     sizes = [1, 4]  # batches of 2 and 3 are padded to 4, batches of 5 run eagerly
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, cudagraph_capture_sizes=sizes, **LIMITS) as llm:
-        assert_same_outputs(stepped(llm, *mixed), mixed_reference)
+        assert_same_outputs(stepped(llm.engine, m6.SamplingParams, *mixed).completions, mixed_reference)
         stats = llm.engine.graph_stats()
         assert stats["replays"] > 0 and stats["padded_rows"] > 0 and stats["eager_steps"] > 0, stats
 
@@ -67,7 +67,7 @@ def test_m6_matches_m5_with_preemption_and_prefix_hits(tiny_model_path, async_sc
     tight = dict(EAGER, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
     reference = run(m5, m5.LLM(tiny_model_path, **tight), prompts, settings)
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **tight) as llm:
-        assert_same_outputs(stepped(llm, prompts, settings), reference)
+        assert_same_outputs(stepped(llm.engine, m6.SamplingParams, prompts, settings).completions, reference)
         usage = llm.engine.kv_usage()
         assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
         assert_all_blocks_returned(llm)
@@ -104,7 +104,7 @@ def test_a_request_finishing_by_length_gives_up_its_place_at_once(tiny_model_pat
     reference_llm = m5.LLM(tiny_model_path, **few_places)
     reference = run(m5, reference_llm, prompts, settings)
     with m6.LLM(tiny_model_path, async_scheduling=True, **few_places) as llm:
-        assert_same_outputs(stepped(llm, prompts, settings), reference)
+        assert_same_outputs(stepped(llm.engine, m6.SamplingParams, prompts, settings).completions, reference)
         assert llm.engine.num_steps == reference_llm.engine.num_steps, (
             f"{llm.engine.num_steps} steps where m5 took {reference_llm.engine.num_steps}: a request that reaches "
             "max_tokens gives its place back when the step that samples its last token is processed "
