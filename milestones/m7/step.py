@@ -104,7 +104,8 @@ class SamplingRow:
         guess = q = None
         if rejection and 0 <= (ahead := position + 1 - seq.num_tokens) < len(seq.draft_token_ids):  # m7
             guess = seq.draft_token_ids[ahead]  # the guess that stands where this row's token goes
-            q = drawn_from[seq.request_id][ahead] if seq.request_id in drawn_from else None  # None: a certain guess
+            probs = (drawn_from or {}).get(seq.request_id)  # none: prompt lookup's guesses, or a greedy request's
+            q = probs[ahead] if probs else None  # None: the guess is judged as certain
         output = ()  # m7: a guess row's history holds the guesses before it, as if they were accepted
         if seq.params.has_penalties:
             output = tuple((seq.token_ids + seq.draft_token_ids)[seq.num_prompt_tokens : position + 1])
