@@ -111,7 +111,8 @@ class DeviceTime:
     events_per_step: float
     share_of_wall: float  # busy_ms over the unprofiled pass's mean wall time
     profiled_wall_ms: float  # the profiled pass's own wall time per step
-    top_kernels: dict[str, float]  # name (cut to 100 characters) -> ms per step, the ten longest
+    top_kernels: dict[str, tuple[float, float]]  # name (cut to 100 characters) -> (launches, ms) per step, the 40
+    # longest: the third run's step was 1,764 kernels of 1-5 us, so how many of each matters as much as how long
 
 
 @dataclass(slots=True)
@@ -258,12 +259,13 @@ def device_time(step: Callable[[], object], steps: int, wall_mean_ms: float) -> 
         trace.export_chrome_trace(f"{folder}/trace.json")
         events = json.loads(Path(f"{folder}/trace.json").read_text())["traceEvents"]
     work = [e for e in events if str(e.get("cat", "")).lower() in DEVICE_CATEGORIES and "dur" in e]
-    by_name: dict[str, float] = {}
+    by_name: dict[str, tuple[float, float]] = {}
     for event in work:
-        by_name[event["name"][:100]] = by_name.get(event["name"][:100], 0.0) + event["dur"] / 1e3 / steps
+        launches, ms = by_name.get(event["name"][:100], (0.0, 0.0))
+        by_name[event["name"][:100]] = (launches + 1 / steps, ms + event["dur"] / 1e3 / steps)
     busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in work]) / 1e3 / steps
-    return DeviceTime(busy, sum(by_name.values()), len(work) / steps, busy / wall_mean_ms, 1e3 * wall / steps,
-                      dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:10]))
+    return DeviceTime(busy, sum(ms for _, ms in by_name.values()), len(work) / steps, busy / wall_mean_ms,
+                      1e3 * wall / steps, dict(sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]))
 
 
 def report(profile: ScenarioProfile, notes: list[str]) -> str:
@@ -272,7 +274,8 @@ def report(profile: ScenarioProfile, notes: list[str]) -> str:
     if profile.device is not None:
         lines += ["", f"device: {profile.device.events_per_step:.0f} kernels/copies per step, summed "
                       f"{profile.device.kernel_sum_ms:.3f} ms, profiled wall {profile.device.profiled_wall_ms:.2f} ms",
-                  *(f"{ms:>10.3f} ms  {name}" for name, ms in profile.device.top_kernels.items())]
+                  *(f"{ms:>10.3f} ms {launches:>6.1f}x  {name}"
+                    for name, (launches, ms) in profile.device.top_kernels.items())]
     for order, rows in profile.functions.items():
         lines += ["", f"top {TOP} by {order} time, ms per step (calls per step):",
                   *(f"{r.cumulative_ms:>9.3f} cum {r.own_ms:>9.3f} own {r.calls_per_step:>8.1f}x  {r.function}"

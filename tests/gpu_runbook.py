@@ -96,14 +96,13 @@ class BenchGroup:
 # m4 alone took 105 s, half of it batch 64, where an eager step took 300 ms). 64 forced tokens, two timed runs and 32
 # requests of at most 128 tokens keep most groups near a minute.
 SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--output-len-range", "32,128")
-# ``all``'s weights, in its order (issue 55, item 7): the questions first (where a step's 4-5 ms go; whether a new
+# ``all``'s weights, in its order (issue 55, item 7): the questions first (where a step's time goes; whether a new
 # thread pays again for attention's first calls), then the checks, the graphs and overlap lessons, the 8B shape where
 # overlap can pay, the comparison with transformers, speculation, and the eager rows, which have no target, last and
-# short. They add up to 550 s, each share scaled to ``--budget 530``: that fits a 600 s command, and a 15-minute loan
-# keeps minutes to rerun a step. The host group (30 s) is the engine's own work per step. The profile (three engines,
-# nine scenarios of three passes) and the diagnostic (three processes) are guesses until a GPU has run them; the tests
-# took 95 s side by side on the H100.
-PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 70, 20, 100
+# short. Set from the third run (H200, 2026-11-28, ``--budget 545``: 370 s in all): profile 58 s, the tests 62 s side
+# by side, graphs 45, 8b 62, hf 35, speculative 33, eager 22; the diagnostic was stopped at its 20 s share and took
+# about 35 s alone. They add up to 550 s, so a full run ends in about 400 s and leaves a 15-minute loan room to rerun.
+PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 70, 45, 75
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 EIGHT_B_LAYERS = 32  # the whole of Llama-3.1-8B: 16 GB a step, 3.3 ms on an H200 and 4.9 on an H100, like the host's
 BENCH_GROUPS = {  # in ``all``'s order

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from milestones.model_store import cache_dir, first_layers_copy, resolve_model
+from milestones.model_store import cache_dir, first_layers_copy
 
 from .rows import MilestoneRow, new_row
 from .workloads import Setup
@@ -34,8 +34,9 @@ HOST_VOCAB = 256  # token ids the bundled tokenizer knows, so outputs detokenize
 HOST_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def host_checkpoint() -> Path:
-    """The tiny seeded Llama the host rows run, made once (a second) and cached beside the bundled model."""
+def host_checkpoint(tokenizer_from: Path) -> Path:
+    """The tiny seeded Llama the host rows run, made once (a second) and cached beside the bundled model, with the
+    tokenizer of the run's model (``tokenizer_from``): a GPU machine has a seeded checkpoint, not the bundled one."""
     folder = cache_dir() / "host-tiny-llama"
     if (folder / "model.safetensors").is_file():
         return folder
@@ -49,8 +50,8 @@ def host_checkpoint() -> Path:
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(partial)
-    for name in HOST_TOKENIZER_FILES:  # the bundled model's tokenizer
-        shutil.copy(resolve_model() / name, partial / name)
+    for name in HOST_TOKENIZER_FILES:
+        shutil.copy(tokenizer_from / name, partial / name)
     partial.rename(folder)  # whole or absent: a run stopped midway leaves no half checkpoint behind
     return folder
 
@@ -71,8 +72,9 @@ def host_engine(mod: ModuleType, row: MilestoneRow, setup: Setup, kwargs: dict) 
     options.pop("kv_cache_memory_bytes", None)  # --tight-kv sizes the main model's pool, not this one's
     speculative = options.get("speculative_config")
     if speculative is not None and speculative["method"] == "draft_model":  # a draft of the tiny model's own
-        options["speculative_config"] = speculative | {"model": str(first_layers_copy(host_checkpoint(), 1))}
-    return mod.LLM(str(host_checkpoint()), device=setup.device, **options), sizes
+        draft = first_layers_copy(host_checkpoint(setup.model_path), 1)
+        options["speculative_config"] = speculative | {"model": str(draft)}
+    return mod.LLM(str(host_checkpoint(setup.model_path)), device=setup.device, **options), sizes
 
 
 def host_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, size: int) -> dict:
