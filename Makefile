@@ -65,11 +65,11 @@ serve: model
 	$(PY) -m milestones.serve --milestone $(or $(M),m4)
 
 # Build a milestone yourself: `make exercise M=m3` writes workspace/m3, the reference with its lesson left to you
-# (HINTS=0: TODOs that state the contract alone); `make check M=m3 [IMPL=workspace/m3]` runs the milestone's
-# tests against it, step by step, up to the first that fails (STEP=n: step n alone; STEPS=a-b: steps a to b;
-# docs/exercises.md).
+# (HINTS=0: TODOs that state the contract alone; EXTRAS=1: the optional serving steps left to you too); `make check
+# M=m3 [IMPL=workspace/m3]` runs the milestone's tests against it, step by step, up to the first that fails (STEP=n:
+# step n alone; STEPS=a-b: steps a to b; docs/exercises.md).
 exercise: $(STAMP)
-	$(PY) -m milestones.exercise start $(M)$(if $(filter 0,$(HINTS)), --no-hints)
+	$(PY) -m milestones.exercise start $(M)$(if $(filter 0,$(HINTS)), --no-hints)$(if $(filter 1,$(EXTRAS)), --extras)
 
 CHECK_STEPS = $(if $(STEP), --step $(STEP))$(if $(STEPS), --steps $(STEPS))
 check: model

@@ -1,14 +1,15 @@
 """Build a milestone yourself: a skeleton to fill in, checked by the project's own tests.
 
-    python -m milestones.exercise start m3 [--to workspace/m3] [--no-hints]     # or: make exercise M=m3 [HINTS=0]
+    python -m milestones.exercise start m3 [--to workspace/m3] [--no-hints] [--extras]  # make exercise M=m3 [HINTS=0]
     python -m milestones.exercise check m3 [--impl DIR] [--step N | --steps A-B]  # or: make check M=m3 [STEP=n]
 
 ``start`` copies the reference package ``milestones/mK`` (the previous milestone plus
 the lesson's changes) and replaces the body of every function that *is* the lesson by
 ``raise NotImplementedError``, with a TODO saying what to build (the contract, then how,
-unless ``--no-hints``) and which step checks it. The lesson's functions are named in ``milestones/course/``
-(``mK.py`` for milestone mK) by the snippet sections the docs already show, so skeletons are generated from the
-reference and never drift.
+unless ``--no-hints``) and which step checks it. The optional steps after the core (serving features such as
+penalties and log-probabilities) come filled in unless ``--extras``. The lesson's functions are named in
+``milestones/course/`` (``mK.py`` for milestone mK) by the snippet sections the docs already show, so skeletons are
+generated from the reference and never drift.
 
 ``check`` runs the milestone's suite against the learner's package, one step at a time
 from the smallest piece to the whole engine (the last steps compare it token for token
@@ -108,14 +109,20 @@ def header(milestone: str, hints: bool) -> str:
     return "".join(f"# {line}\n" for line in wrap(text, 110))
 
 
-def start(milestone: str, destination: Path, hints: bool = True) -> list[str]:
+def stubbed_steps(milestone: str, extras: bool) -> list[tuple[int, Step]]:
+    """The steps whose functions a skeleton leaves to write (numbered from 1): every step with ``extras``, else the
+    core's alone."""
+    return [(number, step) for number, step in enumerate(LESSONS[milestone], 1) if extras or not step.optional]
+
+
+def start(milestone: str, destination: Path, hints: bool = True, extras: bool = False) -> list[str]:
     """Write the skeleton of ``milestone`` to ``destination``; the functions left to write, in step order."""
     if destination.exists():
         raise FileExistsError(f"{destination} already exists: your work is never overwritten. Remove it, "
                               "or give another folder with --to")
     shutil.copytree(PACKAGE_ROOT / milestone, destination, ignore=shutil.ignore_patterns("__pycache__"))
     todo, stubbed = [], set()
-    for number, step in enumerate(LESSONS[milestone], 1):
+    for number, step in stubbed_steps(milestone, extras):
         for exercise in step.exercises:
             path = destination / exercise.file
             path.write_text(stub(path.read_text(), milestone, number, step, exercise, hints))
@@ -300,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     begin.add_argument("--to", type=Path, help="where (default: workspace/<milestone>)")
     begin.add_argument("--no-hints", dest="hints", action="store_false",
                        help="TODOs that state the contract alone, without how to build it (make exercise HINTS=0)")
+    begin.add_argument("--extras", action="store_true",
+                       help="the optional steps' functions left to write too, not filled in (make exercise EXTRAS=1)")
     judge = commands.add_parser("check", help="run the milestone's suite against your package, step by step")
     judge.add_argument("milestone", choices=sorted(LESSONS))
     judge.add_argument("--impl", type=Path, help="your package (default: $IMPL, else workspace/<milestone>)")
@@ -310,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     default = REPO_ROOT / "workspace" / args.milestone
     if args.command == "start":
-        return begin_exercise(args.milestone, args.to or default, args.hints)
+        return begin_exercise(args.milestone, args.to or default, args.hints, args.extras)
     count = len(LESSONS[args.milestone])
     try:
         numbers = step_range(f"{args.step}-{args.step}" if args.step is not None else args.steps or "-", count)
@@ -328,16 +337,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def begin_exercise(milestone: str, destination: Path, hints: bool) -> int:
+def begin_exercise(milestone: str, destination: Path, hints: bool, extras: bool) -> int:
     """``start``, from the command line: what it wrote, or why it wrote nothing."""
     try:
-        todo = start(milestone, destination, hints)
+        todo = start(milestone, destination, hints, extras)
     except FileExistsError as err:
         print(err, file=sys.stderr)
         return 2
     print(f"Wrote {destination}, the reference {milestone} with its lesson left to you"
           f"{'' if hints else ' (HINTS=0: each TODO states the contract alone)'}:")
     print("\n".join(f"  {line}" for line in todo))
+    for number, step in enumerate(LESSONS[milestone], 1):
+        if step.optional and not extras:
+            print(f"  step {number} ({step.name}) is optional and comes filled in: `make exercise M={milestone} "
+                  "EXTRAS=1` leaves it to you too (the core steps never call it)")
     print(f"Check it with: make check M={milestone} IMPL={destination} (STEP=n for step n alone)")
     return 0
 

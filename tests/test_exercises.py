@@ -94,11 +94,14 @@ def test_exercises_name_functions_of_the_lessons_own_files(lesson):
                 assert name in defined and first < defined[name].lineno < last, f"{name} not in {exercise.section}"
 
 
+@pytest.mark.parametrize("extras", [False, True], ids=["core", "extras"])
 @pytest.mark.parametrize("lesson", TAUGHT)
-def test_the_skeleton_stubs_exactly_the_lesson(lesson, tmp_path):
+def test_the_skeleton_stubs_exactly_the_lesson(lesson, extras, tmp_path):
+    """The core's functions, and the optional steps' too with EXTRAS=1; every other function as the reference."""
     destination = tmp_path / lesson
-    todo = start(lesson, destination)
-    stubbed = {(e.file, name) for step in LESSONS[lesson] for e in step.exercises for name in e.functions}
+    todo = start(lesson, destination, extras=extras)
+    stubbed = {(e.file, name) for step in LESSONS[lesson] if extras or not step.optional for e in step.exercises
+               for name in e.functions}
     assert len(todo) == len(stubbed) > 0
     for path in sorted((PACKAGE_ROOT / lesson).glob("*.py")):
         reference, skeleton = path.read_text(), (destination / path.name).read_text()
@@ -119,6 +122,20 @@ def test_the_skeleton_stubs_exactly_the_lesson(lesson, tmp_path):
         start(lesson, destination)
 
 
+def test_m1s_serving_features_are_an_optional_step_after_the_core():
+    """The lesson first: penalties and log-probabilities are m1's optional step, after the loop, and no core step
+    runs their tests (the core steps' tests ask for neither: tests/test_exercise_path.py walks the core with them
+    left as stubs)."""
+    steps = LESSONS["m1"]
+    optional = [number for number, step in enumerate(steps, 1) if step.optional]
+    assert [name for number in optional for e in steps[number - 1].exercises for name in e.functions] == [
+        "Sampler.apply_penalties", "Sampler.logprobs", "ranked_logprobs"]
+    core = [step for step in steps if not step.optional and step.exercises]
+    assert optional and all(number > steps.index(core[-1]) + 1 for number in optional), "optional steps come last"
+    for step in core:
+        assert not any("penalties" in test or "logprobs" in test for test in step.tests), step.name
+
+
 def test_a_todo_never_breaks_a_code_span_across_lines():
     span = "`table[p // block_size] * block_size + p % block_size`"
     lines = wrap("token p goes to slot " * 4 + span + ", then more words" * 3, 100)
@@ -137,8 +154,9 @@ NEEDS_COMPILER = {"m5": needs_compiler}
 
 @pytest.mark.parametrize("lesson", [pytest.param(m, marks=NEEDS_COMPILER.get(m, ())) for m in TAUGHT])
 def test_the_skeleton_fails_every_step_and_says_what_to_write(lesson, tmp_path):
-    """Every step, run on past the first failure (``--keep-going``), fails on the skeleton: no step is free."""
-    start(lesson, tmp_path / lesson)
+    """Every step, run on past the first failure (``--keep-going``), fails on the skeleton with every function left to
+    write (the optional steps' too): no step is free."""
+    start(lesson, tmp_path / lesson, extras=True)
     result = check(lesson, tmp_path / lesson, "--keep-going")
     steps = len(LESSONS[lesson])
     assert result.returncode == 1, result.stdout + result.stderr
@@ -173,11 +191,11 @@ def test_check_stops_at_the_first_failing_step_and_runs_no_later_one(tmp_path):
     result = check("m1", package)
     assert result.returncode == 1, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    verdicts = {int(line.split()[1]): line for line in lines if line.startswith("  step ")}
-    assert sorted(verdicts) == list(range(1, 10)), result.stdout
+    verdicts, steps = {int(line.split()[1]): line for line in lines if line.startswith("  step ")}, len(LESSONS["m1"])
+    assert sorted(verdicts) == list(range(1, steps + 1)), result.stdout
     assert " pass (" in verdicts[1] and " FAIL (" in verdicts[2], result.stdout
-    assert all(verdicts[n].endswith(" not run") for n in range(3, 10)), result.stdout
-    assert "1 of 9 steps pass, step 2 fails, 7 not run" in result.stdout
+    assert all(verdicts[n].endswith(" not run") for n in range(3, steps + 1)), result.stdout
+    assert f"1 of {steps} steps pass, step 2 fails, {steps - 2} not run" in result.stdout
     assert "The first failing step, 2 (rotary position embedding (RoPE))" in result.stdout
     assert "rotate_half is yours to write" in result.stdout
 
@@ -204,7 +222,8 @@ def test_step_ranges_name_steps_from_one_inclusive():
             step_range(spec, 9)
 
 
-@pytest.mark.parametrize("options", [["--step", "10"], ["--steps", "0-3"], ["--step", "2", "--steps", "2-3"]])
+@pytest.mark.parametrize("options", [["--step", str(len(LESSONS["m1"]) + 1)], ["--steps", "0-3"],
+                                     ["--step", "2", "--steps", "2-3"]])
 def test_check_refuses_steps_the_lesson_does_not_have(options, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["check", "m1", "--impl", str(PACKAGE_ROOT / "m1"), *options])
@@ -225,6 +244,8 @@ def test_make_passes_step_steps_and_hints_through():
     assert "-m milestones.exercise check m7 --steps 2-4" in make_commands("check", "M=m7", "STEPS=2-4")
     assert "-m milestones.exercise start m1 --no-hints" in make_commands("exercise", "M=m1", "HINTS=0")
     assert "--no-hints" not in make_commands("exercise", "M=m1")
+    assert "-m milestones.exercise start m1 --extras" in make_commands("exercise", "M=m1", "EXTRAS=1")
+    assert "--extras" not in make_commands("exercise", "M=m1")
 
 
 def todo_text(skeleton: str, name: str) -> str:
@@ -238,8 +259,8 @@ def todo_text(skeleton: str, name: str) -> str:
 
 @pytest.mark.parametrize("lesson", TAUGHT)
 def test_hints_0_writes_todos_that_state_the_contract_alone(lesson, tmp_path):
-    start(lesson, tmp_path / "hints", hints=True)
-    start(lesson, tmp_path / "contract", hints=False)
+    start(lesson, tmp_path / "hints", hints=True, extras=True)
+    start(lesson, tmp_path / "contract", hints=False, extras=True)
     for number, step in enumerate(LESSONS[lesson], 1):
         for exercise in step.exercises:
             hinted = (tmp_path / "hints" / exercise.file).read_text()

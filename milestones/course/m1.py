@@ -113,52 +113,27 @@ STEPS: tuple[Step, ...] = (
           Exercise("model.py", "compute_logits", ("CausalLM.compute_logits",),
                    "the LM head (self.lm_head) over the given hidden rows, as float32 whatever the model's dtype: "
                    "[rows, vocab]."))),
-    Step("the sampler", ("tests/m1/test_sampler.py",
-                         "tests/m1/test_penalties.py::test_each_penalty_on_hand_made_logits",
-                         "tests/m1/test_penalties.py::test_greedy_rows_are_penalized_too",
-                         "tests/m1/test_logprobs.py::test_the_chosen_tokens_rank_counts_the_likelier_tokens"),
+    Step("the sampler", ("tests/m1/test_sampler.py",),
          "greedy rows ignore the noise; top-p keeps the token that crosses it, on what top-k kept; the noise "
          "depends on the request's seed and the token's position alone",
          (Exercise("sampler.py", "sample", ("Sampler.__call__",),
                    "logits [rows, vocab] (float32, a row per sequence of seqs) in; a list of "
                    "`SampledToken(token_id, logprobs)` out, one per row. A structured request's row keeps only "
-                   "its format's tokens (self.apply_grammars), then the penalties apply (self.apply_penalties); "
-                   "a greedy row (`seq.params.greedy`) takes its argmax; every other row divides its logits by "
-                   "its temperature, goes through self.filtered_probs, and takes `argmax(probs / noise)` with "
-                   "its own `self.exponential_noise(seq, vocab)`. Then each grammar reads its row's token "
-                   "(self.advance_grammars), and each row's logprobs are what self.logprobs gives for the logits "
-                   "from before the penalties. The tests recompute every row's token.",
-                   how="`logits = self.apply_grammars(logits, seqs)`, kept as the model's logits before "
-                   "`self.apply_penalties(logits, seqs)`; `tokens = logits.argmax(dim=-1)`; the other rows "
-                   "together: their indices and temperatures as tensors (to_device), `self.filtered_probs("
-                   "logits[index] / temperature[:, None], sampled)`, their noise stacked, and `tokens[index] = "
-                   "(probs / noise).argmax(dim=-1)`; then `token_ids = tokens.tolist()`, "
-                   "`self.advance_grammars(seqs, token_ids)` and `self.logprobs(model_logits, seqs, "
-                   "token_ids)`."),
-          Exercise("sampler.py", "penalties", ("Sampler.apply_penalties",),
-                   "for each row whose `seq.params.has_penalties`: the repetition penalty on every token of the "
-                   "prompt or the output (a positive logit divided by it, a negative one multiplied), then minus "
-                   "`frequency_penalty` times each token's count in the output and `presence_penalty` once for "
-                   "each token in it. Return new logits (the caller's stay as they are), or the same tensor when "
-                   "no row has penalties.",
-                   how="clone the logits; per row, the output's counts `bincount(minlength=vocab)`; for the "
-                   "repetition penalty, a mask of the tokens seen (counts > 0, the prompt's tokens set too) and "
-                   "`torch.where(row > 0, row / penalty, row * penalty)` where it is set; then subtract "
-                   "`frequency_penalty * counts + presence_penalty * (counts > 0)` in place."),
-          Exercise("sampler.py", "logprobs", ("Sampler.logprobs",),
-                   "for each row whose `seq.params.logprobs` is k (not None), what `ranked_logprobs` gives for its "
-                   "logits, its chosen token and k; None for the other rows.",
-                   how="the rows that ask in one call: their logits (an index tensor), their chosen tokens as a "
-                   "tensor and their ks; each answer back at its row."),
-          Exercise("sampler.py", "ranked_logprobs", ("ranked_logprobs",),
-                   "row by row of logits [rows, vocab], a dict `{token: Logprob(logprob, rank)}` from their "
-                   "log_softmax: the row's chosen token first (rank: 1 + the number of likelier tokens), then its "
-                   "k likeliest in order (rank 1, 2, ...; the chosen one not twice; none whose log-probability is "
-                   "-inf, a token a grammar masked). The runner scores a prompt's tokens with it too, each prompt "
-                   "token in the chosen one's place.",
-                   how="log_softmax once; the chosen tokens' values with `gather`; the ranks `(logprobs > "
-                   "chosen's).sum(dim=-1) + 1`; one `topk(max(ks))` for all rows; then a dict per row, the chosen "
-                   "token first, `setdefault` for each of its top k."),
+                   "its format's tokens (self.apply_grammars); if some row has penalties (`seq.params."
+                   "has_penalties`), self.apply_penalties gives the logits to sample from; a greedy row "
+                   "(`seq.params.greedy`) takes its argmax; every other row divides its logits by its "
+                   "temperature, goes through self.filtered_probs, and takes `argmax(probs / noise)` with its own "
+                   "`self.exponential_noise(seq, vocab)`. Then each grammar reads its row's token "
+                   "(self.advance_grammars). The logprobs: None for every row, unless some row asks "
+                   "(`seq.params.logprobs is not None`): then what self.logprobs gives for the logits from before "
+                   "the penalties. Penalties and logprobs are step 9's (optional); the tests here ask for neither. "
+                   "The tests recompute every row's token.",
+                   how="`logits = self.apply_grammars(logits, seqs)`, kept as the model's logits before the "
+                   "penalties; `tokens = logits.argmax(dim=-1)`; the other rows together: their indices and "
+                   "temperatures as tensors (to_device), `self.filtered_probs(logits[index] / temperature[:, "
+                   "None], sampled)`, their noise stacked, and `tokens[index] = (probs / noise).argmax(dim=-1)`; "
+                   "then `token_ids = tokens.tolist()`, `self.advance_grammars(seqs, token_ids)`, and the "
+                   "logprobs."),
           Exercise("sampler.py", "filtered_probs", ("Sampler.filtered_probs",),
                    "logits [rows, vocab] in (divided by the temperature already), probabilities [rows, vocab] "
                    "out. Each row keeps its top_k likeliest tokens (-1, or a top_k beyond the vocabulary, keeps "
@@ -181,8 +156,8 @@ STEPS: tuple[Step, ...] = (
     # transformers' tokens on tiny random checkpoints; the CPU's packed linear layers ("auto") are no part of the
     # lesson, and the contract runs them
     Step("the loop: transformers' tokens and stops",
-         ("tests/m1/test_generate.py", "tests/m1/test_vs_transformers.py", "tests/m1/test_logprobs.py", "-m",
-          "not real_model", "-k", "not auto"),
+         ("tests/m1/test_generate.py", "tests/m1/test_vs_transformers.py", "-m", "not real_model", "-k",
+          "not auto"),
          "stop tokens stay in token_ids but add no text; max_tokens counts output tokens; the first rule that "
          "matches wins: stop token, stop string, max_tokens, full context",
          (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
@@ -218,6 +193,37 @@ STEPS: tuple[Step, ...] = (
                    how="one `time.perf_counter()` for both times; then an if/elif chain in the rules' order, "
                    "each branch one `seq.finish(...)`, the detokenizer fed in the second condition itself, so "
                    "that a stop token never reaches it."))),
+    # Serving features, after the core: filled in unless EXTRAS=1, and never called by the core steps' tests.
+    Step("optional: penalties and logprobs",
+         ("tests/m1/test_penalties.py", "tests/m1/test_logprobs.py", "-m", "not real_model"),
+         "the repetition penalty divides a positive logit and multiplies a negative one, on the prompt's tokens "
+         "too; logprobs come from the model's logits, before penalties and temperature; a token's rank is 1 + the "
+         "number of likelier tokens",
+         (Exercise("sampler.py", "penalties", ("Sampler.apply_penalties",),
+                   "for each row whose `seq.params.has_penalties`: the repetition penalty on every token of the "
+                   "prompt or the output (a positive logit divided by it, a negative one multiplied), then minus "
+                   "`frequency_penalty` times each token's count in the output and `presence_penalty` once for "
+                   "each token in it. Return new logits (the caller's stay as they are), or the same tensor when "
+                   "no row has penalties.",
+                   how="clone the logits; per row, the output's counts `bincount(minlength=vocab)`; for the "
+                   "repetition penalty, a mask of the tokens seen (counts > 0, the prompt's tokens set too) and "
+                   "`torch.where(row > 0, row / penalty, row * penalty)` where it is set; then subtract "
+                   "`frequency_penalty * counts + presence_penalty * (counts > 0)` in place."),
+          Exercise("sampler.py", "logprobs", ("Sampler.logprobs",),
+                   "for each row whose `seq.params.logprobs` is k (not None), what `ranked_logprobs` gives for its "
+                   "logits, its chosen token and k; None for the other rows.",
+                   how="the rows that ask in one call: their logits (an index tensor), their chosen tokens as a "
+                   "tensor and their ks; each answer back at its row."),
+          Exercise("sampler.py", "ranked_logprobs", ("ranked_logprobs",),
+                   "row by row of logits [rows, vocab], a dict `{token: Logprob(logprob, rank)}` from their "
+                   "log_softmax: the row's chosen token first (rank: 1 + the number of likelier tokens), then its "
+                   "k likeliest in order (rank 1, 2, ...; the chosen one not twice; none whose log-probability is "
+                   "-inf, a token a grammar masked). The runner scores a prompt's tokens with it too, each prompt "
+                   "token in the chosen one's place.",
+                   how="log_softmax once; the chosen tokens' values with `gather`; the ranks `(logprobs > "
+                   "chosen's).sum(dim=-1) + 1`; one `topk(max(ks))` for all rows; then a dict per row, the chosen "
+                   "token first, `setdefault` for each of its top k.")),
+         optional=True),
     contract("m1"),
 )
 # --8<-- [end:m1]

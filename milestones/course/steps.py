@@ -23,6 +23,9 @@ class Step:
     tests: tuple[str, ...]  # pytest arguments, relative to the repository root
     hint: str  # what to look at when this step fails
     exercises: tuple[Exercise, ...] = ()  # what this step is the first to check
+    # A serving feature after the core (penalties, log-probabilities): its functions come filled in, and the core
+    # steps never call them, unless the learner asks for them too (``make exercise EXTRAS=1``).
+    optional: bool = False
 
 
 def contract(milestone: str) -> Step:

@@ -30,7 +30,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: [len(seqs), vocab] in fp32, one row per sequence."""
         logits = self.apply_grammars(logits, seqs)  # structured requests: their format's tokens only
-        model_logits, logits = logits, self.apply_penalties(logits, seqs)
+        model_logits = logits
+        if any(seq.params.has_penalties for seq in seqs):  # serving features run for the steps that ask alone
+            logits = self.apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
@@ -42,7 +44,9 @@ class Sampler:
             tokens[index] = (probs / noise).argmax(dim=-1)
         token_ids = tokens.tolist()
         self.advance_grammars(seqs, token_ids)
-        logprobs = self.logprobs(model_logits, seqs, token_ids)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(seqs)
+        if any(seq.params.logprobs is not None for seq in seqs):
+            logprobs = self.logprobs(model_logits, seqs, token_ids)
         return [SampledToken(token, found) for token, found in zip(token_ids, logprobs)]
     # --8<-- [end:sample]
 

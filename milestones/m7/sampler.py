@@ -31,7 +31,8 @@ class Sampler:
     # --8<-- [start:sample]
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         """logits: [len(seqs), vocab] in fp32, one row per sequence; the tokens stay on the device."""
-        logits = self.apply_penalties(logits, seqs)
+        if any(seq.params.has_penalties for seq in seqs):  # serving features run for the steps that ask alone
+            logits = self.apply_penalties(logits, seqs)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:

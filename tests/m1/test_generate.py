@@ -137,12 +137,6 @@ def test_execute_computes_the_logits_of_the_last_row_only(llm, monkeypatch):
     assert rows == [1], f"the prefill of 5 tokens ran the LM head over {rows} rows; only the last row predicts"
     assert len(output.sampled) == 1, f"execute returns one token per sequence, got {output.sampled}"
     assert output.prompt_logprobs == {}, "a request that did not ask for prompt_logprobs gets no prompt scores"
-    rows.clear()
-    scored = Sequence("s", None, prompt, SamplingParams(temperature=0, prompt_logprobs=1), seed=0,
-                      detokenizer=IncrementalDetokenizer(None, prompt, []))
-    output = runner.execute(ScheduledBatch([scored], [5]))
-    assert sorted(rows) == [1, 4], f"with prompt_logprobs the LM head ran over {rows} rows: 4 score, 1 samples"
-    assert len(output.prompt_logprobs["s"]) == 4, "tokens 2 to 5 of the prompt are scored, by rows 1 to 4"
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 9])

@@ -14,8 +14,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from milestones.m1 import LLM, SamplingParams
+from milestones.m1.detokenizer import IncrementalDetokenizer
 from milestones.m1.outputs import CompletionOutput
 from milestones.m1.sampler import Sampler
+from milestones.m1.sequence import Sequence
+from milestones.m1.step import ScheduledBatch
 from tests.m1.test_sampler import seq
 from tests.m1.test_vs_transformers import hf_generate, varied_prompts
 
@@ -128,6 +131,20 @@ def test_prompt_logprobs_match_transformers(models, k):
             logits = hf(torch.tensor([prompt])).logits[0]
         check_prompt_against(prompt, result.prompt_logprobs, logits, k)
         assert result.outputs[0].logprobs is None, "prompt_logprobs alone asks nothing of the generated tokens"
+
+
+def test_prompt_logprobs_run_the_lm_head_over_the_scored_rows(models, monkeypatch):
+    """A prefill that scores its prompt runs the LM head over the rows that predict prompt tokens too (the others
+    only over the last row: tests/m1/test_generate.py)."""
+    _, llm = models
+    runner, prompt, rows = llm.engine.runner, [5, 6, 7, 8, 9], []
+    head = runner.compute_logits
+    monkeypatch.setattr(runner, "compute_logits", lambda hidden: rows.append(len(hidden)) or head(hidden))
+    scored = Sequence("s", None, prompt, SamplingParams(temperature=0, prompt_logprobs=1), seed=0,
+                      detokenizer=IncrementalDetokenizer(None, prompt, []))
+    output = runner.execute(ScheduledBatch([scored], [5]))
+    assert sorted(rows) == [1, 4], f"with prompt_logprobs the LM head ran over {rows} rows: 4 score, 1 samples"
+    assert len(output.prompt_logprobs["s"]) == 4, "tokens 2 to 5 of the prompt are scored, by rows 1 to 4"
 
 
 def test_a_one_token_prompt_has_one_empty_score_and_none_unless_asked(models):
