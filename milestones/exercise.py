@@ -264,7 +264,7 @@ def check(milestone: str, implementation: Path, numbers: range, keep_going: bool
         failures += [] if run.passed else [(number, run, found)]
     print(summary(passed, [number for number, *_ in failures], len(numbers)))
     if failures:
-        report(milestone, lesson, *failures[0])
+        report(milestone, lesson, *failures[0], implementation)
     return 1 if failures else 0
 
 
@@ -278,8 +278,10 @@ def summary(passed: int, failed: list[int], chosen: int) -> str:
     return ", ".join(parts)
 
 
-def report(milestone: str, lesson: tuple[Step, ...], number: int, run: StepRun, found: tuple[int, str] | None) -> None:
-    """The failure, under the step that owns it: the one whose function raised it, else the step whose test failed."""
+def report(milestone: str, lesson: tuple[Step, ...], number: int, run: StepRun, found: tuple[int, str] | None,
+           implementation: Path) -> None:
+    """The failure, under the step that owns it: the one whose function raised it, else the step whose test failed;
+    then the command that reruns that step, with the learner's package named unless it is the default one."""
     step = lesson[number - 1]
     if found is None or found[0] == number:
         print(f"\nThe first failing step, {number} ({step.name}): {step.hint}")
@@ -287,7 +289,9 @@ def report(milestone: str, lesson: tuple[Step, ...], number: int, run: StepRun, 
         owning = lesson[found[0] - 1]
         print(f"\nStep {number}'s tests fail in {found[1]}, which step {found[0]} ({owning.name}) is about: "
               f"{owning.hint}")
-    print(f"(`make check M={milestone} STEP={found[0] if found else number}` runs that step alone)\n")
+    default = (REPO_ROOT / "workspace" / milestone).resolve()
+    package = "" if implementation.resolve() == default else f" IMPL={implementation}"
+    print(f"(`make check M={milestone}{package} STEP={found[0] if found else number}` runs that step alone)\n")
     print(failure_report(run.output))
 
 

@@ -207,7 +207,7 @@ def test_a_failure_is_reported_under_the_step_that_owns_the_function_it_was_rais
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAIL" in result.stdout and "the failure is in step 1's RMSNorm.forward" in result.stdout, result.stdout
     assert f"which step 1 (RMSNorm) is about: {LESSONS['m1'][0].hint}" in result.stdout, result.stdout
-    assert "`make check M=m1 STEP=1` runs that step alone" in result.stdout
+    assert f"`make check M=m1 IMPL={package} STEP=1` runs that step alone" in result.stdout, result.stdout
 
 
 def test_step_ranges_name_steps_from_one_inclusive():

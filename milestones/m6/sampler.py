@@ -128,7 +128,7 @@ class Sampler:
         k = to_device([vocab if k == -1 else min(k, vocab) for k in top_k], torch.long, self.device)
         sorted_logits.masked_fill_(rank >= k[:, None], float("-inf"))
         sorted_probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest head whose mass reaches top_p: drop a token if the mass before it already does.
+        # Top-p: a token stays when the tokens ranked above it hold at most top_p, so the one that crosses it stays.
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         p = to_device(top_p, torch.float32, self.device)
         sorted_logits.masked_fill_(mass_before > p[:, None], float("-inf"))
