@@ -28,12 +28,14 @@ STEPS: tuple[Step, ...] = (
                    "register buffers `cos` and `sin`, [max_positions, head_dim] float32 on `device` and no part "
                    "of the weights (`persistent=False`): row p holds the cos (the sin) of position p's angles, "
                    "pair i's angle being `p * rope_inv_freq(self.cfg)[i]`, which dimensions i and i + head_dim/2 "
-                   "share, for every position below self.max_positions. Compared with transformers' "
+                   "share, for every position below self.max_positions. It also runs inside `with "
+                   "torch.device(\"meta\")` (from_pretrained builds the model there, then calls it again with the "
+                   "real device), so every tensor it makes names its device. Compared with transformers' "
                    "LlamaRotaryEmbedding (SmolLM2, Llama-3 scaled frequencies, Qwen3's head_dim of 32) within "
                    "1e-5.",
-                   how="the positions, `torch.arange(self.max_positions, dtype=torch.float32)`; their "
-                   "`torch.outer` with `rope_inv_freq(self.cfg)` is [max_positions, head_dim/2]; join it with "
-                   "itself on the last dimension; `self.register_buffer(\"cos\", angles.cos().to(device), "
+                   how="the positions, `torch.arange(self.max_positions, dtype=torch.float32, device=\"cpu\")`; "
+                   "their `torch.outer` with `rope_inv_freq(self.cfg)` is [max_positions, head_dim/2]; join it "
+                   "with itself on the last dimension; `self.register_buffer(\"cos\", angles.cos().to(device), "
                    "persistent=False)`, and the same for sin."),
           Exercise("model.py", "rope", ("RotaryEmbedding.forward",),
                    "positions [T] in: the rows of the cos and sin tables at these positions, each as "

@@ -32,6 +32,31 @@ def test_the_tables_match_transformers(smollm2, kind):
         expect_close(f"RotaryEmbedding.{name} ({kind}, [{positions} positions, head_dim])", table, expected, FLOAT32)
 
 
+def test_the_tables_build_inside_the_meta_device_as_from_pretrained_builds_them(smollm2):
+    """from_pretrained builds the model inside `with torch.device("meta")` (no memory, no random weights), so
+    RotaryEmbedding.__init__ calls build_tables there, and then again with the real device once the weights are in:
+    each tensor it makes must say where it lives, or the meta device takes it."""
+    expected = RotaryEmbedding(smollm2.config, 64)
+    try:
+        with torch.device("meta"):
+            rope = RotaryEmbedding(smollm2.config, 64)
+        rope.build_tables(torch.device("cpu"))
+    except (RuntimeError, NotImplementedError) as error:
+        if isinstance(error, NotImplementedError) and "yours to write" in str(error):
+            raise
+        raise AssertionError(
+            "RotaryEmbedding built inside `with torch.device(\"meta\")` (as CausalLM.from_pretrained builds it), then "
+            f"build_tables(cpu): {type(error).__name__}: {error}. Inside that block every tensor made without a device "
+            "(torch.arange(n), torch.zeros(...)) is a meta tensor, which cannot be combined with rope_inv_freq's CPU "
+            "tensor: make the positions with device=\"cpu\", then move the tables to `device`") from None
+    for name in ("cos", "sin"):
+        table = getattr(rope, name)
+        assert table.device.type == "cpu", (
+            f"RotaryEmbedding.{name} after build_tables(cpu) lives on {table.device}: move it to the device given")
+        expect_close(f"RotaryEmbedding.{name} built under the meta device, then on the CPU", table,
+                     getattr(expected, name), EXACT, source="the same tables built outside it")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_looks_up_the_positions_for_every_head(smollm2, dtype):
     rope = RotaryEmbedding(smollm2.config, 8192)
