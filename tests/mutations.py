@@ -83,6 +83,21 @@ CATALOGUE = (
         "the compiled kernel called before the step's key and value are in the cache: the new token misses itself",
     ),
     Mutation(
+        "m1-kernel-given-the-cache-without-blocks", "milestones/m1/attention.py",
+        "        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables,",
+        "        return batch.kernel(q, k_cache, v_cache, batch.block_tables,",
+        ("tests/m1/test_attention.py::test_a_decode_step_with_a_kernel_batch_goes_to_the_kernel_once_the_cache_is"
+         "_written",),
+        "the compiled kernel handed the caches as they are, [rows, kv_heads, dim], where it reads blocks of one row",
+    ),
+    Mutation(
+        "m1-rope-positions-on-the-default-device", "milestones/m1/model.py",
+        'positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")',
+        "positions = torch.arange(self.max_positions, dtype=torch.float32)",
+        ("tests/m1/test_rope.py::test_the_tables_build_inside_the_meta_device_as_from_pretrained_builds_them",),
+        "RoPE's positions made on the default device, which is the meta device while from_pretrained builds the model",
+    ),
+    Mutation(
         "m2-budget-ignored", "milestones/m2/scheduler.py",
         "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
         "        num_new = seq.num_tokens - seq.num_computed_tokens\n",
