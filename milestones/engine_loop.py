@@ -34,6 +34,7 @@ class Stream:
     """What a client waits on: the request's outputs as they come, then its end."""
 
     request_id: str
+    weight: int = 1  # the sequences it runs (its n samples): what it counts toward --max-requests
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)  # RequestOutput, or an exception that ends it
     finished: bool = False  # the client has seen the request's last output
     released: bool = False  # its place in the count is given back (once)
@@ -45,7 +46,7 @@ class EngineLoop:
         self.max_requests = max_requests
         self.streams: dict[str, tuple[Stream, asyncio.AbstractEventLoop]] = {}  # touched by the engine thread only
         self.commands: queue.Queue = queue.Queue()
-        self.num_in_flight = 0  # requests accepted and not yet released; counted on the event loop's side
+        self.num_in_flight = 0  # sequences accepted and not yet released (n each); counted on the event loop's side
         self._ids = itertools.count()
         self._stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -60,12 +61,13 @@ class EngineLoop:
         """Queue a request; raises ValueError (bad input, with the engine's message) or ServerBusy."""
         if not self.is_alive():
             raise ServerBusy("the engine loop has stopped: this server cannot take requests")
-        if self.num_in_flight >= self.max_requests:
-            raise ServerBusy(f"the server already has {self.num_in_flight} requests in flight "
-                             f"(--max-requests {self.max_requests}): retry later")
+        weight = getattr(params, "n", 1)
+        if self.num_in_flight + weight > self.max_requests:
+            raise ServerBusy(f"the server already has {self.num_in_flight} sequences in flight and this request adds "
+                             f"{weight} (--max-requests {self.max_requests}): retry later")
         loop = asyncio.get_running_loop()
-        stream, accepted = Stream(f"req-{next(self._ids)}"), loop.create_future()
-        self.num_in_flight += 1
+        stream, accepted = Stream(f"req-{next(self._ids)}", weight), loop.create_future()
+        self.num_in_flight += weight
         self.commands.put(("add", stream, loop, accepted, prompt, params))
         try:
             await accepted  # the engine's add_request has validated the request
@@ -79,7 +81,7 @@ class EngineLoop:
         if stream.released:
             return
         stream.released = True
-        self.num_in_flight -= 1
+        self.num_in_flight -= stream.weight
         if not stream.finished:
             self.commands.put(("abort", stream.request_id))  # taken before the next step: its KV blocks are freed
 

@@ -11,20 +11,28 @@ requests go to one engine, stepped on its own thread (``EngineLoop``), so reques
 many clients are batched together: m1 serves them one at a time, m2 onwards together.
 
 Bad input gets a 400 with the engine's own message and never reaches a step; a server
-with ``--max-requests`` requests in flight answers 503; a client that disconnects
-mid-stream has its request aborted and its KV blocks freed before the next step.
+with ``--max-requests`` sequences in flight answers 503 with ``Retry-After`` (a request's
+``n`` samples count ``n``); a client that disconnects mid-stream has its request aborted
+and its KV blocks freed before the next step. What one request may cost is bounded before
+it reaches the engine (``Limits``), and ``--api-key`` closes the ``/v1`` routes to callers
+without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import importlib
+import ipaddress
 import json
+import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,13 +41,33 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from milestones import MILESTONES
 from milestones.engine_loop import EngineLoop, ServerBusy, Stream
-from milestones.openai_api import Answer, ModelNotFound, parse_request, usage_chunk, whole
+from milestones.openai_api import Answer, BadRequest, ModelNotFound, parse_request, usage_chunk, whole
+
+logger = logging.getLogger(__name__)
+RETRY_AFTER_SECONDS = 1  # a 503's Retry-After: a busy server frees places as requests finish, within seconds
 
 
-def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
-    """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one request may ask of the server, checked before any of it reaches the engine's thread."""
+
+    max_requests: int = 256  # sequences in flight (a request's n samples count n) before 503
+    max_n: int = 128  # samples per prompt (OpenAI's limit)
+    max_body_bytes: int = 4 << 20  # a request body's size: 4 MiB holds a prompt far longer than any max_model_len
+
+
+class BodyTooLarge(Exception):
+    """The request body is over ``Limits.max_body_bytes`` (HTTP 413)."""
+
+
+def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limits | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops.
+    ``limits`` (default: ``Limits(max_requests)``) bounds each request; with ``api_key``, the ``/v1`` routes answer
+    401 to a caller whose ``Authorization: Bearer`` header does not carry it."""
+    limits = limits or Limits(max_requests)
     sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
-    engine_loop = EngineLoop(llm, max_requests)
+    engine_loop = EngineLoop(llm, limits.max_requests)
     token_texts = llm.tokenizer.batch_decode([[token] for token in range(len(llm.tokenizer))])  # for log-probabilities
 
     @asynccontextmanager
@@ -51,6 +79,9 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
     app = FastAPI(title="milestones", lifespan=lifespan)
     app.state.engine_loop = engine_loop
 
+    if api_key is not None:
+        app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
+
     async def serve(request: Request, chat: bool) -> Response:
         streams: list[Stream] = []  # one engine request per prompt (a batched completion has several)
 
@@ -59,7 +90,9 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256) -> FastAPI:
                 engine_loop.release(stream)  # aborts it if it did not finish
 
         try:
-            job = parse_request(await request.json(), chat, model_name, llm.tokenizer, sampling_params)
+            job = parse_request(await read_json(request, limits.max_body_bytes), chat, model_name, llm.tokenizer,
+                                sampling_params)
+            check_cost(len(job.prompts), job.params.n, limits)
             for prompt in job.prompts:
                 streams.append(await engine_loop.submit(prompt, job.params))
         except Exception as err:
@@ -179,16 +212,54 @@ async def merged(streams: list[Stream]) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
+async def read_json(request: Request, max_bytes: int) -> object:
+    """The body as JSON, read no further than ``max_bytes`` (a longer one is refused as it arrives, whatever its
+    Content-Length says), and refused if it nests too deeply for the parser or holds text that is not Unicode."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"the body is {int(declared):,} bytes; this server takes at most {max_bytes:,}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(f"the body is over {max_bytes:,} bytes, the most this server takes")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise BadRequest("the body's JSON nests too deeply to parse: send a flatter body") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"): JSON allows it, no tokenizer does
+        raise BadRequest(f"the body holds text that is not valid Unicode ({err.reason}: "
+                         f"{err.object[err.start:err.end]!r}): send well-formed UTF-16 pairs") from None
+    return body
+
+
+def check_cost(prompts: int, n: int, limits: Limits) -> None:
+    """A request that asks more than any request may, or more than the server can ever run at once: 400 at once,
+    rather than 503 after part of it has run."""
+    if n > limits.max_n:
+        raise BadRequest(f"n is {n}; this server gives at most {limits.max_n} samples of a prompt")
+    if prompts * n > limits.max_requests:
+        raise BadRequest(f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences, more than "
+                         f"this server ever runs at once ({limits.max_requests}, --max-requests): split it")
+
+
 def refusal(err: Exception) -> JSONResponse:
     """The answer to a request the server could not take, by the reason."""
     if isinstance(err, json.JSONDecodeError):
         return error(400, f"the body is not valid JSON: {err}")
+    if isinstance(err, BodyTooLarge):
+        return error(413, str(err))
     if isinstance(err, ModelNotFound):
         return error(404, str(err), "model_not_found")
     if isinstance(err, ValueError):  # BadRequest, or the engine refusing the request (too long, bad tokens, ...)
         return error(400, str(err))
     if isinstance(err, ServerBusy):
-        return error(503, str(err))
+        response = error(503, str(err))
+        response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        return response
     return error(500, f"the engine could not take the request: {err!r}")  # not the client's fault
 
 
@@ -215,6 +286,25 @@ class ReleasingStreamingResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()
             self.release()
+
+
+class RequireKey:
+    """vLLM's --api-key: the /v1 routes want ``Authorization: Bearer KEY``, compared in constant time; /health stays
+    open. Plain ASGI, not Starlette's BaseHTTPMiddleware, so that streams and disconnects pass through untouched."""
+
+    def __init__(self, app: Callable, expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                refused = error(401, "this server wants an API key: send the header 'Authorization: Bearer <key>' "
+                                     "with the key it was started with (--api-key or MILESTONES_API_KEY)",
+                                "invalid_api_key")
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def error(status: int, message: str, code: str | None = None) -> JSONResponse:
@@ -259,7 +349,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--served-model-name", help="the name clients use (default: the model's folder name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-requests", type=int, default=256, help="requests in flight before 503")
+    default = Limits()
+    parser.add_argument("--max-requests", type=int, default=default.max_requests,
+                        help="sequences in flight (a request's n samples count n) before 503")
+    parser.add_argument("--max-n", type=int, default=default.max_n, help="samples of one prompt a request may ask")
+    parser.add_argument("--max-body-bytes", type=int, default=default.max_body_bytes, help="the largest request body")
+    parser.add_argument("--api-key", default=os.environ.get("MILESTONES_API_KEY"),
+                        help="the key the /v1 routes want, as 'Authorization: Bearer KEY' (default: "
+                             "$MILESTONES_API_KEY)")
     parser.add_argument("--shutdown-grace", type=float, default=30,
                         help="seconds open streams get to finish at shutdown before they are aborted")
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=VALUE",
@@ -272,8 +369,19 @@ def main(argv: list[str] | None = None) -> None:
         options["speculative_config"] = args.speculative_config
     llm = importlib.import_module(f"milestones.{args.milestone}").LLM(args.model, **options)
     name = args.served_model_name or _default_name(args.model)
-    uvicorn.run(create_app(llm, name, args.max_requests), host=args.host, port=args.port,
+    if args.api_key is None and not _is_loopback(args.host):
+        logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)
+    limits = Limits(args.max_requests, args.max_n, args.max_body_bytes)
+    uvicorn.run(create_app(llm, name, limits=limits, api_key=args.api_key), host=args.host, port=args.port,
                 timeout_graceful_shutdown=args.shutdown_grace)
+
+
+def _is_loopback(host: str) -> bool:
+    """127.0.0.1, ::1 and localhost reach this machine only; anything else (0.0.0.0 included) may reach others."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _engine_option(text: str) -> tuple[str, object]:

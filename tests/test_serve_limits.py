@@ -1,0 +1,136 @@
+"""The server under hostile traffic: each request's cost is bounded before it reaches the engine, and the door locks.
+
+Every probe here once cost the other clients: ``n`` of 100,000 froze the server, a batch
+larger than ``--max-requests`` ran 256 prompts before its 257th was refused, a lone
+surrogate or JSON nested 100,000 deep answered 500. Each is now refused at once with the
+status and the limit that applies, and the engine never sees it (no request is added).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import httpx
+import openai
+import pytest
+
+from milestones.serve import Limits, _is_loopback, create_app, running
+from tests.test_serve import LIMITS, PROMPTS, slowed, wait_until
+
+
+@contextlib.contextmanager
+def serving(llm, limits: Limits, api_key: str | None = None):
+    """The server on a free port, with the engine's add_request counted: what reached the engine at all."""
+    added, add = [], llm.engine.add_request
+    llm.engine.add_request = lambda *args, **kwargs: added.append(args) or add(*args, **kwargs)
+    app = create_app(llm, "tiny", limits=limits, api_key=api_key)
+    with running(app) as url:
+        yield url, app, added
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_path):
+    from milestones import m2
+
+    return m2.LLM(tiny_model_path, **LIMITS)
+
+
+def post(url: str, body: object, **kwargs) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=30, **kwargs)
+
+
+def expect_refused(response: httpx.Response, status: int, *words: str) -> None:
+    """The status, in OpenAI's error shape, with a message that names what to change."""
+    assert response.status_code == status, f"expected {status}, got {response.status_code}: {response.text[:300]}"
+    message = response.json()["error"]["message"]
+    for word in words:
+        assert word in message, f"the {status}'s message should say {word!r}: {message!r}"
+
+
+def test_n_above_the_limit_is_refused_before_the_engine_sees_it(tiny_model_path):
+    from milestones import m2
+
+    with serving(m2.LLM(tiny_model_path, **LIMITS), Limits(max_n=8)) as (url, app, added):
+        began = time.monotonic()
+        expect_refused(post(url, {"prompt": "hi", "n": 100_000, "max_tokens": 1}), 400, "n is 100000", "at most 8")
+        assert time.monotonic() - began < 5 and added == [], "n=100000 reached the engine"
+        assert post(url, {"prompt": "hi", "n": 8, "max_tokens": 1}).status_code == 200
+        assert app.state.engine_loop.num_in_flight == 0
+
+
+def test_a_batch_that_can_never_fit_is_a_400_at_once(tiny_model_path):
+    """3 prompts x n=2 is 6 sequences; a server that runs 4 at most can never serve it: refused before any runs."""
+    from milestones import m2
+
+    with serving(m2.LLM(tiny_model_path, **LIMITS), Limits(max_requests=4)) as (url, _, added):
+        expect_refused(post(url, {"prompt": PROMPTS[:3], "n": 2, "max_tokens": 2}), 400, "6 sequences",
+                       "--max-requests", "split it")
+        assert added == [], f"{len(added)} of its prompts reached the engine before the refusal"
+        assert post(url, {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 2}).status_code == 200  # 4 fit
+
+
+def test_samples_count_toward_max_requests_and_a_503_says_when_to_retry(tiny_model_path):
+    from milestones import m2
+
+    llm = slowed(m2.LLM(tiny_model_path, **LIMITS))
+    with serving(llm, Limits(max_requests=4)) as (url, app, _):
+        body = {"prompt": PROMPTS[0], "n": 3, "max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60):  # headers: 3 sequences running
+            assert app.state.engine_loop.num_in_flight == 3
+            busy = post(url, {"prompt": "hi", "n": 2, "max_tokens": 1})
+            expect_refused(busy, 503, "3 sequences in flight", "adds 2", "retry later")
+            assert busy.headers.get("retry-after", "").isdigit(), f"a 503 without Retry-After: {busy.headers}"
+            assert post(url, {"prompt": "hi", "max_tokens": 1}).status_code == 200  # one more fits
+        wait_until(lambda: app.state.engine_loop.num_in_flight == 0, seconds=10)
+
+
+def test_a_body_over_the_limit_is_413_however_it_is_sent(llm):
+    with serving(llm, Limits(max_body_bytes=10_000)) as (url, _, added):
+        text = "word " * 5_000  # 25,000 bytes
+        expect_refused(post(url, {"prompt": text}), 413, "at most 10,000")  # Content-Length says so
+
+        def chunks():  # no Content-Length: chunked, counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(50):
+                yield b"word " * 100
+            yield b'"}'
+
+        sent = httpx.post(f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                          timeout=30)
+        expect_refused(sent, 413, "over 10,000 bytes")
+        assert added == []
+        assert post(url, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+def test_json_nested_too_deep_and_lone_surrogates_are_400s(llm):
+    with serving(llm, Limits()) as (url, _, added):
+        deep = httpx.post(f"{url}/v1/completions", content=b"[" * 100_000 + b"]" * 100_000,
+                          headers={"content-type": "application/json"}, timeout=30)
+        expect_refused(deep, 400, "nests too deeply")
+        for route, body in (("completions", b'{"prompt": "a \\ud800 b", "max_tokens": 1}'),
+                            ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}')):
+            response = httpx.post(f"{url}/v1/{route}", content=body, headers={"content-type": "application/json"},
+                                  timeout=30)
+            expect_refused(response, 400, "not valid Unicode", "\\ud800")
+        assert added == []
+
+
+def test_an_api_key_locks_the_v1_routes_and_leaves_health_open(llm):
+    with serving(llm, Limits(), api_key="s3cret") as (url, _, added):
+        expect_refused(post(url, {"prompt": "hi"}), 401, "Authorization: Bearer")
+        response = post(url, {"prompt": "hi"}, headers={"Authorization": "Bearer wrong"})
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        assert added == []
+        ours = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", timeout=60, max_retries=0)
+        assert ours.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("::1", True), ("localhost", True),
+                                            ("0.0.0.0", False), ("192.168.1.5", False), ("example.org", False)])
+def test_only_loopback_hosts_are_served_without_a_key_warning(host, loopback):
+    assert _is_loopback(host) is loopback
