@@ -5,8 +5,9 @@ forward pass, so they hand their work to the ``EngineLoop``'s thread through a q
 add this request, abort that one. Between two steps the thread takes the commands
 waiting, then calls ``engine.step()``, which advances every running request together
 (that is where continuous batching shows), and sends each request's output to the
-client that waits for it. Only this thread touches the engine (and its tokenizer), so
-it works for every milestone, m1 included, whose scheduler runs one request at a time.
+client that waits for it. Only this thread touches the engine, so it works for every
+milestone, m1 included, whose scheduler runs one request at a time. The server hands it
+token ids: tokenizing, which a long prompt or conversation makes slow, happens elsewhere.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | Callable[[], list[int]]  # a callable runs on the engine thread (it may use the tokenizer)
+Prompt = str | list[int]
 
 
 class ServerBusy(Exception):
@@ -122,8 +123,7 @@ class EngineLoop:
         if kind == "add":
             stream, loop, accepted, prompt, params = args
             try:
-                token_ids = prompt() if callable(prompt) else prompt
-                self.engine.add_request(token_ids, params, request_id=stream.request_id)
+                self.engine.add_request(prompt, params, request_id=stream.request_id)
             except Exception as err:  # ValueError: bad input, refused before anything was queued
                 _call_soon(loop, _settle, accepted, err)
                 return

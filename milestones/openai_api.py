@@ -50,7 +50,7 @@ class ModelNotFound(BadRequest):
 class Job:
     """One parsed request: what to generate and how to answer."""
 
-    prompts: list[str | list[int] | Callable[[], list[int]]]  # one choice each; a chat's is templated on the engine
+    prompts: list[str | list[int] | Callable[[Any], list[int]]]  # one choice each; a chat's templated by a tokenizer
     params: Any  # the milestone's SamplingParams
     stream: bool
     include_usage: bool
@@ -58,7 +58,7 @@ class Job:
     echo: bool = False  # a completion's text and log-probabilities start with its prompt's
 
 
-def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sampling_params: type) -> Job:
+def parse_request(body: object, chat: bool, model_name: str, sampling_params: type) -> Job:
     """A request body checked and turned into a Job; BadRequest (HTTP 400) says what to change."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -78,7 +78,7 @@ def parse_request(body: object, chat: bool, model_name: str, tokenizer: Any, sam
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise BadRequest("stream must be true or false, and stream_options an object such as {\"include_usage\": true}")
     if chat:
-        prompts = [chat_prompt(tokenizer, body.get("messages"))]
+        prompts = [chat_prompt(body.get("messages"))]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     else:
         prompts = completion_prompts(body.get("prompt"))
@@ -255,15 +255,15 @@ def usage_chunk(answers: list[Answer]) -> dict | None:
     return {**first._envelope(kind, None), "usage": usage(answers)}
 
 
-def chat_prompt(tokenizer: Any, messages: object) -> Callable[[], list[int]]:
+def chat_prompt(messages: object) -> Callable[[Any], list[int]]:
     """The conversation through the model's chat template, as token ids ready for the assistant's answer.
 
-    The shape is checked now; the template and the tokenizer run later, on the engine's
-    thread, the only one that uses the tokenizer (its errors are still a 400).
+    The shape is checked now; the template and the tokenizer run later, given a tokenizer, on a thread of the
+    server's that tokenizes (its errors are still a 400).
     """
     messages = [{"role": m["role"], "content": text_content(m, i)} for i, m in enumerate(_message_list(messages))]
 
-    def token_ids() -> list[int]:
+    def token_ids(tokenizer: Any) -> list[int]:
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # the template's own checks (roles that must alternate, ...)

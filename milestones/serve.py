@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import hmac
 import importlib
 import ipaddress
@@ -31,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from milestones import MILESTONES
-from milestones.engine_loop import EngineLoop, ServerBusy, Stream
+from milestones.engine_loop import EngineLoop, Prompt, ServerBusy, Stream
 from milestones.openai_api import Answer, BadRequest, ModelNotFound, parse_request, usage_chunk, whole
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,40 @@ class BodyTooLarge(Exception):
     """The request body is over ``Limits.max_body_bytes`` (HTTP 413)."""
 
 
+class Tokenizing:
+    """Prompts to token ids on threads of their own, not the engine's: a long prompt or conversation then delays its
+    own request only. Each thread has its own copy of the tokenizer (a fast tokenizer is not safe to share between
+    threads), and text too long to fit ``max_model_len`` is refused before any of it is tokenized."""
+
+    WORKERS = 4
+
+    def __init__(self, llm: Any) -> None:
+        self.source, self.engine = llm.tokenizer, llm.engine
+        self.tokenize_prompt = importlib.import_module(f"{type(llm).__module__.rsplit('.', 1)[0]}.prompts"
+                                                       ).tokenize_prompt  # the milestone's own rules and messages
+        self.pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="tokenize")
+        self.local = threading.local()
+        # No token covers more characters than the longest string in the vocabulary, so a text longer than that many
+        # times max_model_len has more tokens than max_model_len: refused without tokenizing it.
+        self.max_chars = max(map(len, llm.tokenizer.get_vocab())) * self.engine.config.max_model_len
+
+    async def __call__(self, prompt: str | list[int] | Callable[[Any], list[int]]) -> Prompt:
+        if isinstance(prompt, list):
+            return prompt  # token ids: the engine checks them
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._token_ids, prompt)
+
+    def _token_ids(self, prompt: str | Callable[[Any], list[int]]) -> list[int]:
+        if not hasattr(self.local, "tokenizer"):
+            self.local.tokenizer = copy.deepcopy(self.source)
+        if callable(prompt):
+            return prompt(self.local.tokenizer)
+        if len(prompt) > self.max_chars:
+            limit = self.engine.config.max_model_len
+            raise BadRequest(f"the prompt is {len(prompt):,} characters, more than any {limit} tokens (max_model_len) "
+                             "can hold: shorten it")
+        return self.tokenize_prompt(self.local.tokenizer, prompt, self.engine.model_config.vocab_size)
+
+
 def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limits | None = None,
                api_key: str | None = None) -> FastAPI:
     """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops.
@@ -67,7 +103,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
     401 to a caller whose ``Authorization: Bearer`` header does not carry it."""
     limits = limits or Limits(max_requests)
     sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
-    engine_loop = EngineLoop(llm, limits.max_requests)
+    engine_loop, tokenizing = EngineLoop(llm, limits.max_requests), Tokenizing(llm)
     token_texts = llm.tokenizer.batch_decode([[token] for token in range(len(llm.tokenizer))])  # for log-probabilities
 
     @asynccontextmanager
@@ -75,6 +111,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
         engine_loop.start()
         yield
         await asyncio.to_thread(engine_loop.stop)  # aborts what is still running; the event loop stays free
+        tokenizing.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="milestones", lifespan=lifespan)
     app.state.engine_loop = engine_loop
@@ -90,11 +127,10 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
                 engine_loop.release(stream)  # aborts it if it did not finish
 
         try:
-            job = parse_request(await read_json(request, limits.max_body_bytes), chat, model_name, llm.tokenizer,
-                                sampling_params)
+            job = parse_request(await read_json(request, limits.max_body_bytes), chat, model_name, sampling_params)
             check_cost(len(job.prompts), job.params.n, limits)
             for prompt in job.prompts:
-                streams.append(await engine_loop.submit(prompt, job.params))
+                streams.append(await engine_loop.submit(await tokenizing(prompt), job.params))
         except Exception as err:
             release()  # the prompts of a batch taken before one was refused
             return refusal(err)

@@ -9,7 +9,9 @@ status and the limit that applies, and the engine never sees it (no request is a
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -114,6 +116,45 @@ def test_json_nested_too_deep_and_lone_surrogates_are_400s(llm):
                                   timeout=30)
             expect_refused(response, 400, "not valid Unicode", "\\ud800")
         assert added == []
+
+
+def test_a_prompt_longer_than_any_context_is_refused_without_tokenizing_it(llm, monkeypatch):
+    """1 MB of text cannot fit 256 tokens: refused by its length alone (tokenizing it took seconds on the engine's
+    thread, and every stream waited)."""
+    encoded = []
+    with serving(llm, Limits()) as (url, _, added):
+        monkeypatch.setattr(type(llm.tokenizer), "encode", lambda *args, **kwargs: encoded.append(1) or [1])
+        expect_refused(post(url, {"prompt": "x" * 1_000_000, "max_tokens": 1}), 400, "1,000,000 characters",
+                       "max_model_len")
+        assert encoded == [] and added == [], "the text was tokenized, or reached the engine"
+
+
+def test_tokenizing_runs_off_the_engine_thread_and_a_slow_one_delays_only_its_own_request(llm, monkeypatch):
+    """A conversation whose chat template is held back (as 50,000 messages hold it for seconds) does not stop another
+    client's request from being answered meanwhile, and no template or tokenizer ever runs on the engine's thread."""
+    threads, entered, release = [], threading.Event(), threading.Event()
+    template = type(llm.tokenizer).apply_chat_template
+
+    def held(self, messages, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        if messages[0]["content"] == "hold":
+            entered.set()
+            release.wait(30)
+        return template(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(type(llm.tokenizer), "apply_chat_template", held)
+    with serving(llm, Limits()) as (url, _, _), ThreadPoolExecutor(1) as pool:
+        chat = {"messages": [{"role": "user", "content": "hold"}], "max_tokens": 2}
+        slow = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert entered.wait(30), "the held conversation never reached its chat template"
+        assert post(url, {"prompt": "hi", "max_tokens": 2}).status_code == 200
+        quick = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/chat/completions", json=quick, timeout=30).status_code == 200
+        assert not slow.done(), "the held request finished before it was released"
+        release.set()
+        assert slow.result().status_code == 200
+    assert threads and all(name.startswith("tokenize") for name in threads), (
+        f"chat templates ran on these threads: {threads}; the engine's thread (engine-loop) must never run them")
 
 
 def test_an_api_key_locks_the_v1_routes_and_leaves_health_open(llm):
