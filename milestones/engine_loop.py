@@ -42,9 +42,10 @@ class Stream:
 
 
 class EngineLoop:
-    def __init__(self, llm: Any, max_requests: int = 256) -> None:
+    def __init__(self, llm: Any, max_requests: int = 256, metrics: Any = None) -> None:
         self.llm, self.engine = llm, llm.engine
         self.max_requests = max_requests
+        self.metrics = metrics  # milestones.metrics.ServerMetrics: told of each request added and each output
         self.streams: dict[str, tuple[Stream, asyncio.AbstractEventLoop]] = {}  # touched by the engine thread only
         self.commands: queue.Queue = queue.Queue()
         self.num_in_flight = 0  # sequences accepted and not yet released (n each); counted on the event loop's side
@@ -76,6 +77,15 @@ class EngineLoop:
             self.release(stream)  # refused, or cancelled at shutdown: never run it for nobody
             raise
         return stream
+
+    async def call(self, function: Callable[[Any], Any]) -> Any:
+        """``function(engine)``, run on the engine's thread between two steps (reading its state safely)."""
+        if not self.is_alive():
+            raise ServerBusy("the engine loop has stopped")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.commands.put(("call", loop, done, function))
+        return await done
 
     def release(self, stream: Stream) -> None:
         """The client is done with the request, at its end or because it went away (then it is aborted). Idempotent."""
@@ -128,11 +138,19 @@ class EngineLoop:
                 _call_soon(loop, _settle, accepted, err)
                 return
             self.streams[stream.request_id] = (stream, loop)
+            if self.metrics is not None:
+                self.metrics.added(stream.request_id)
             _call_soon(loop, _settle, accepted, None)
         elif kind == "abort":
             output = self.engine.abort_request(args[0])
             if output is not None:
                 self._deliver(output)
+        elif kind == "call":
+            loop, done, function = args
+            try:
+                _call_soon(loop, _settle, done, None, function(self.engine))
+            except Exception as err:
+                _call_soon(loop, _settle, done, err)
         # "wake" only ends the wait for a command, so that the loop sees it must stop
 
     def _step(self) -> None:
@@ -149,6 +167,8 @@ class EngineLoop:
             self._deliver(output)
 
     def _deliver(self, output: Any) -> None:
+        if self.metrics is not None:
+            self.metrics.delivered(output)
         entry = self.streams.get(output.request_id)
         if entry is None:
             return
@@ -172,13 +192,14 @@ class EngineLoop:
                 kind, *args = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                _call_soon(args[1], _settle, args[2], ServerBusy("the server is shutting down"))
+            if kind in ("add", "call"):  # (add, stream, loop, future, ...) and (call, loop, future, function)
+                loop, future = (args[1], args[2]) if kind == "add" else (args[0], args[1])
+                _call_soon(loop, _settle, future, ServerBusy("the server is shutting down"))
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
     if not future.done():  # the client may have gone while it waited
-        future.set_exception(error) if error is not None else future.set_result(None)
+        future.set_exception(error) if error is not None else future.set_result(result)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: Any) -> None:

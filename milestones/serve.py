@@ -5,7 +5,7 @@
 
 Routes: ``POST /v1/completions`` (a prompt, or a batch of prompts: a choice each),
 ``POST /v1/chat/completions`` (streamed as server-sent events with ``"stream": true``),
-``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``; errors in OpenAI's shape on
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus); errors in OpenAI's shape on
 every route. Every client's
 requests go to one engine, stepped on its own thread (``EngineLoop``), so requests from
 many clients are batched together: m1 serves them one at a time, m2 onwards together.
@@ -39,10 +39,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from milestones import MILESTONES
 from milestones.engine_loop import EngineLoop, Prompt, ServerBusy, Stream
+from milestones.metrics import ServerMetrics, snapshot
 from milestones.openai_api import Answer, BadRequest, ModelNotFound, parse_request, usage_chunk, whole
 
 logger = logging.getLogger(__name__)
@@ -103,7 +105,8 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
     401 to a caller whose ``Authorization: Bearer`` header does not carry it."""
     limits = limits or Limits(max_requests)
     sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
-    engine_loop, tokenizing = EngineLoop(llm, limits.max_requests), Tokenizing(llm)
+    metrics = ServerMetrics(model_name)
+    engine_loop, tokenizing = EngineLoop(llm, limits.max_requests, metrics), Tokenizing(llm)
     token_texts = llm.tokenizer.batch_decode([[token] for token in range(len(llm.tokenizer))])  # for log-probabilities
 
     @asynccontextmanager
@@ -203,6 +206,15 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
         response = error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
         response.headers.update(exc.headers or {})  # a 405 says which methods the route takes (Allow)
         return response
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        """Prometheus' text format: the counts and latencies so far, and the engine's state now (vLLM's names)."""
+        try:
+            metrics.state = await engine_loop.call(snapshot)
+        except ServerBusy as err:
+            return error(503, str(err))
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,6 +9,7 @@ status and the limit that applies, and the engine never sees it (no request is a
 from __future__ import annotations
 
 import contextlib
+import importlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import openai
 import pytest
 
 from milestones.serve import Limits, _is_loopback, create_app, running
-from tests.test_serve import LIMITS, PROMPTS, slowed, wait_until
+from tests.test_serve import LIMITS, PROMPTS, SERVED, SPECULATIVE, slowed, wait_until
 
 
 @contextlib.contextmanager
@@ -175,3 +176,61 @@ def test_an_api_key_locks_the_v1_routes_and_leaves_health_open(llm):
                                             ("0.0.0.0", False), ("192.168.1.5", False), ("example.org", False)])
 def test_only_loopback_hosts_are_served_without_a_key_warning(host, loopback):
     assert _is_loopback(host) is loopback
+
+
+def scrape(url: str) -> dict[str, float]:
+    """GET /metrics, parsed with prometheus_client's own parser: each sample's name and labels -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain"), response.text
+    return {sample.name + str(sorted(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(response.text) for sample in family.samples}
+
+
+def sample(samples: dict[str, float], name: str, **labels: str) -> float:
+    key = name + str(sorted({"model_name": "tiny", **labels}.items()))
+    assert key in samples, f"/metrics has no {key}; it has {sorted(samples)[:40]}"
+    return samples[key]
+
+
+def test_metrics_count_tokens_and_latencies_and_show_the_engine_now(tiny_model_path):
+    """vLLM's names: requests running and waiting and the KV cache's use read from the engine at scrape time, prompt
+    and generated tokens counted, a time to first token per request and a time between tokens."""
+    from milestones import m4
+
+    llm = slowed(m4.LLM(tiny_model_path, **LIMITS))
+    with serving(llm, Limits()) as (url, _, _):
+        before = scrape(url)
+        assert sample(before, "vllm:num_requests_running") == 0 and sample(before, "vllm:kv_cache_usage_perc") == 0
+        body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()  # kept: a closed iterator closes the response, and the request is aborted
+            next(lines)  # a token has come: it is running
+            during = scrape(url)
+            assert sample(during, "vllm:num_requests_running") == 1, "one request streams: one running"
+            assert 0 < sample(during, "vllm:kv_cache_usage_perc") <= 1, "a running request holds KV blocks"
+            for _ in lines:
+                pass
+        prompt_tokens = len(llm.tokenizer.encode(PROMPTS[0]))
+        after = scrape(url)
+        assert sample(after, "vllm:prompt_tokens_total") == prompt_tokens
+        assert sample(after, "vllm:generation_tokens_total") == 60
+        assert sample(after, "vllm:request_success_total", finished_reason="length") == 1
+        assert sample(after, "vllm:time_to_first_token_seconds_count") == 1
+        assert sample(after, "vllm:inter_token_latency_seconds_count") >= 1
+        assert sample(after, "vllm:num_requests_running") == 0 and sample(after, "vllm:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_every_milestone_can_be_scraped(tiny_model_path, name):
+    """The gauges read each milestone's own state (m1's single slot, m2's slots, blocks from m3 on, m7's guesses)."""
+    mod = importlib.import_module(f"milestones.{name}")
+    llm = mod.LLM(tiny_model_path, **LIMITS, **({"speculative_config": SPECULATIVE} if name == "m7" else {}))
+    with serving(llm, Limits()) as (url, _, _):
+        assert post(url, {"prompt": PROMPTS[1], "max_tokens": 5, "ignore_eos": True}).status_code == 200
+        samples = scrape(url)
+        assert sample(samples, "vllm:generation_tokens_total") == 5
+        assert sample(samples, "vllm:num_requests_running") == 0 and sample(samples, "vllm:kv_cache_usage_perc") == 0
+        if name == "m7":
+            assert any(name.startswith("milestones:spec_decode_") for name in samples), sorted(samples)
