@@ -96,6 +96,11 @@ class EngineLoop:
         if not stream.finished:
             self.commands.put(("abort", stream.request_id))  # taken before the next step: its KV blocks are freed
 
+    def cut(self, reason: str) -> None:
+        """End every open request now, before the next step: each stream gets ``reason`` as its error (the server is
+        shutting down), and the log one line each."""
+        self.commands.put(("cut", reason))
+
     def stop(self) -> None:
         """Abort whatever is still running, end every stream, and stop the thread (blocks until it has)."""
         self._stopping.set()
@@ -145,6 +150,13 @@ class EngineLoop:
             output = self.engine.abort_request(args[0])
             if output is not None:
                 self._deliver(output)
+        elif kind == "cut":
+            for request_id, (stream, loop) in list(self.streams.items()):
+                output = self.engine.abort_request(request_id)
+                tokens = 0 if output is None else sum(len(c.token_ids) for c in output.outputs)
+                logger.warning("%s cut after %d tokens: %s", request_id, tokens, args[0])
+                _call_soon(loop, stream.outputs.put_nowait, RuntimeError(args[0]))
+                del self.streams[request_id]
         elif kind == "call":
             loop, done, function = args
             try:

@@ -177,6 +177,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
             yield "data: [DONE]\n\n"
         except RuntimeError as err:  # the headers (200) are sent: the failure goes in the stream, as OpenAI does
             yield f"data: {json.dumps({'error': {'message': str(err), 'type': 'server_error'}})}\n\n"
+            yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -372,7 +373,7 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_grace
     import uvicorn
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
-    server = uvicorn.Server(config)
+    server = graceful_server(config)
     thread = threading.Thread(target=server.run, name="http-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -386,6 +387,27 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_grace
     finally:
         server.should_exit = True
         thread.join(timeout=shutdown_grace + 60)
+
+
+def graceful_server(config: Any) -> Any:
+    """uvicorn's server, except that at the end of its graceful shutdown every stream still open ends the way a
+    failed one does, with an error event and ``[DONE]``, rather than being cut mid-chunk (uvicorn cancels what
+    runs past ``timeout_graceful_shutdown``)."""
+    import uvicorn
+
+    class Graceful(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            grace = self.config.timeout_graceful_shutdown or 0
+            engine_loop = self.config.app.state.engine_loop
+            cutting = asyncio.get_running_loop().call_later(
+                max(grace - 0.5, grace / 2), engine_loop.cut,  # before uvicorn's own deadline
+                f"the server is shutting down: the stream was cut after --shutdown-grace {grace:g} s")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cutting.cancel()
+
+    return Graceful(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -420,8 +442,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.api_key is None and not _is_loopback(args.host):
         logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)
     limits = Limits(args.max_requests, args.max_n, args.max_body_bytes)
-    uvicorn.run(create_app(llm, name, limits=limits, api_key=args.api_key), host=args.host, port=args.port,
-                timeout_graceful_shutdown=args.shutdown_grace)
+    config = uvicorn.Config(create_app(llm, name, limits=limits, api_key=args.api_key), host=args.host, port=args.port,
+                            timeout_graceful_shutdown=args.shutdown_grace)
+    graceful_server(config).run()
 
 
 def _is_loopback(host: str) -> bool:

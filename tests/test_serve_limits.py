@@ -234,3 +234,32 @@ def test_every_milestone_can_be_scraped(tiny_model_path, name):
         assert sample(samples, "vllm:num_requests_running") == 0 and sample(samples, "vllm:kv_cache_usage_perc") == 0
         if name == "m7":
             assert any(name.startswith("milestones:spec_decode_") for name in samples), sorted(samples)
+
+
+def test_a_stream_open_at_shutdown_ends_with_an_error_event_and_done_and_one_log_line(tiny_model_path, caplog):
+    """At the end of --shutdown-grace a stream still open ends as a failed one does, an error in OpenAI's shape, then
+    [DONE]; the log says so in one line per stream, with no traceback (uvicorn cancelled them mid-chunk before)."""
+    from milestones import m2
+
+    llm = slowed(m2.LLM(tiny_model_path, **LIMITS), seconds=0.05)
+    lines, opened = [], threading.Event()
+
+    def read(url: str) -> None:
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            for line in stream.iter_lines():
+                lines.append(line)
+                opened.set()
+
+    with caplog.at_level("WARNING"), ThreadPoolExecutor(1) as pool:
+        with serving(llm, Limits()) as (url, _, _):
+            reader = pool.submit(read, url)
+            assert opened.wait(30), "the stream never started"
+        reader.result(timeout=30)
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", f"the cut stream's last events: {events[-3:]}"
+    assert "shutting down" in events[-2] and '"error"' in events[-2], f"no error event before [DONE]: {events[-3:]}"
+    cut = [r for r in caplog.records if "cut after" in r.getMessage()]
+    assert len(cut) == 1, [r.getMessage() for r in caplog.records]
+    assert not [r for r in caplog.records if r.exc_info or "Cancel" in r.getMessage()], (
+        f"tracebacks or cancelled tasks in the log: {[r.getMessage() for r in caplog.records]}")
