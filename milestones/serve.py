@@ -58,10 +58,15 @@ class Limits:
     max_requests: int = 256  # sequences in flight (a request's n samples count n) before 503
     max_n: int = 128  # samples per prompt (OpenAI's limit)
     max_body_bytes: int = 4 << 20  # a request body's size: 4 MiB holds a prompt far longer than any max_model_len
+    body_timeout: float = 30.0  # seconds a client may take between two parts of its body (a stalled upload, 408)
 
 
 class BodyTooLarge(Exception):
     """The request body is over ``Limits.max_body_bytes`` (HTTP 413)."""
+
+
+class BodyTimeout(Exception):
+    """The client stopped sending its body for ``Limits.body_timeout`` seconds (HTTP 408)."""
 
 
 class Tokenizing:
@@ -130,7 +135,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
                 engine_loop.release(stream)  # aborts it if it did not finish
 
         try:
-            job = parse_request(await read_json(request, limits.max_body_bytes), chat, model_name, sampling_params)
+            job = parse_request(await read_json(request, limits), chat, model_name, sampling_params)
             check_cost(len(job.prompts), job.params.n, limits)
             for prompt in job.prompts:
                 streams.append(await engine_loop.submit(await tokenizing(prompt), job.params))
@@ -261,14 +266,21 @@ async def merged(streams: list[Stream]) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
-async def read_json(request: Request, max_bytes: int) -> object:
-    """The body as JSON, read no further than ``max_bytes`` (a longer one is refused as it arrives, whatever its
-    Content-Length says), and refused if it nests too deeply for the parser or holds text that is not Unicode."""
-    declared = request.headers.get("content-length", "")
+async def read_json(request: Request, limits: Limits) -> object:
+    """The body as JSON, read no further than ``max_body_bytes`` (a longer one is refused as it arrives, whatever its
+    Content-Length says) nor waited for longer than ``body_timeout`` between two parts, and refused if it nests too
+    deeply for the parser or holds text that is not Unicode."""
+    max_bytes, declared = limits.max_body_bytes, request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body is {int(declared):,} bytes; this server takes at most {max_bytes:,}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    chunks, size, parts = [], 0, request.stream()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(anext(parts), limits.body_timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"the body stalled: nothing came for {limits.body_timeout:g} s") from None
         size += len(chunk)
         if size > max_bytes:
             raise BodyTooLarge(f"the body is over {max_bytes:,} bytes, the most this server takes")
@@ -301,6 +313,8 @@ def refusal(err: Exception) -> JSONResponse:
         return error(400, f"the body is not valid JSON: {err}")
     if isinstance(err, BodyTooLarge):
         return error(413, str(err))
+    if isinstance(err, BodyTimeout):
+        return error(408, str(err))
     if isinstance(err, ModelNotFound):
         return error(404, str(err), "model_not_found")
     if isinstance(err, ValueError):  # BadRequest, or the engine refusing the request (too long, bad tokens, ...)
@@ -424,6 +438,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="sequences in flight (a request's n samples count n) before 503")
     parser.add_argument("--max-n", type=int, default=default.max_n, help="samples of one prompt a request may ask")
     parser.add_argument("--max-body-bytes", type=int, default=default.max_body_bytes, help="the largest request body")
+    parser.add_argument("--body-timeout", type=float, default=default.body_timeout,
+                        help="seconds a request body may stall before 408")
     parser.add_argument("--api-key", default=os.environ.get("MILESTONES_API_KEY"),
                         help="the key the /v1 routes want, as 'Authorization: Bearer KEY' (default: "
                              "$MILESTONES_API_KEY)")
@@ -441,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or _default_name(args.model)
     if args.api_key is None and not _is_loopback(args.host):
         logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)
-    limits = Limits(args.max_requests, args.max_n, args.max_body_bytes)
+    limits = Limits(args.max_requests, args.max_n, args.max_body_bytes, args.body_timeout)
     config = uvicorn.Config(create_app(llm, name, limits=limits, api_key=args.api_key), host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.shutdown_grace)
     graceful_server(config).run()

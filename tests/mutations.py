@@ -98,6 +98,20 @@ CATALOGUE = (
         "RoPE's positions made on the default device, which is the meta device while from_pretrained builds the model",
     ),
     Mutation(
+        "serve-n-unbounded", "milestones/serve.py",
+        "    if n > limits.max_n:\n",
+        "    if False:\n",
+        ("tests/test_serve_limits.py::test_n_above_the_limit_is_refused_before_the_engine_sees_it",),
+        "any n accepted: one request with n=100000 took 0.7 GB and froze the server for every other client",
+    ),
+    Mutation(
+        "serve-samples-counted-once", "milestones/engine_loop.py",
+        '        weight = getattr(params, "n", 1)\n',
+        "        weight = 1\n",
+        ("tests/test_serve_limits.py::test_samples_count_toward_max_requests_and_a_503_says_when_to_retry",),
+        "a request's n samples counted as one against --max-requests, so the server runs n times more than it says",
+    ),
+    Mutation(
         "m2-budget-ignored", "milestones/m2/scheduler.py",
         "        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)\n",
         "        num_new = seq.num_tokens - seq.num_computed_tokens\n",

@@ -263,3 +263,20 @@ def test_a_stream_open_at_shutdown_ends_with_an_error_event_and_done_and_one_log
     assert len(cut) == 1, [r.getMessage() for r in caplog.records]
     assert not [r for r in caplog.records if r.exc_info or "Cancel" in r.getMessage()], (
         f"tracebacks or cancelled tasks in the log: {[r.getMessage() for r in caplog.records]}")
+
+
+def test_a_stalled_body_is_a_408_and_frees_its_place(llm):
+    """A client that sends part of its body and stops (a slow upload, or a socket held open on purpose) is answered
+    408 once nothing has come for body_timeout seconds; the server serves the next request."""
+    import socket
+    from urllib.parse import urlsplit
+
+    with serving(llm, Limits(body_timeout=0.5)) as (url, _, added):
+        address = urlsplit(url)
+        with socket.create_connection((address.hostname, address.port), timeout=30) as held:
+            held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+            answer = held.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408"), answer[:200]
+        assert "the body stalled" in answer and added == []
+        assert post(url, {"prompt": "hi", "max_tokens": 1}).status_code == 200
