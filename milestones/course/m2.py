@@ -44,14 +44,15 @@ STEPS: tuple[Step, ...] = (
                    "sample_seqs). Every request adds `PromptLogprobRows.of(seq, row, start, end)` to "
                    "prompt_rows. Return `ModelInputs(input_ids, positions, ctx, sample_rows, sample_seqs, "
                    "prompt_rows)` with `ctx = AttentionContext(self.k_cache, self.v_cache, token_slots, "
-                   "positions, spans)`.",
+                   "positions, spans)`, every tensor on self.device (the tests check it with a stand-in device).",
                    how="one list per field (a token's id, position and slot; the spans; the decodes; the rows), "
                    "filled in one loop over zip(batch.seqs, batch.num_new_tokens, batch.kv_slots), row being "
                    "the number of tokens packed so far; the lists of numbers made tensors with self._tensor."),
           Exercise("attention.py", "attention", ("attention",),
                    "the new keys and values written first, into this layer's cache (`ctx.k_cache[layer]`, and "
-                   "v) at each token's slot and position; then the output, shaped like q: if ctx.ragged_batch is "
-                   "set (batched attention, CUDA's speed-up), `ctx.ragged_batch(q, k_cache, v_cache)`, the "
+                   "v, [num_slots, kv_heads, max_model_len, head_dim]) at each token's slot and position; then "
+                   "the output, shaped like q: if ctx.ragged_batch is set (batched attention, CUDA's speed-up), "
+                   "`ctx.ragged_batch(q, k_cache, v_cache)`, the "
                    "whole step in one call; if ctx.kernel_batch is set, its rows are `batch.kernel("
                    "q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, head_dim ** "
                    "-0.5)`; each span of ctx.requests attends over its own slot's first context_len positions, "

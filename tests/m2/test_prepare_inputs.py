@@ -8,6 +8,7 @@ is wrong is named at the step that introduces it.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from milestones import m2
 from milestones.m2.attention import RequestSpan
@@ -23,10 +24,10 @@ def runner(tiny_model_path):
     return llm.engine.runner
 
 
-def request(request_id: str, num_tokens: int, num_computed: int, first_id: int) -> Sequence:
+def request(request_id: str, num_tokens: int, num_computed: int, first_id: int, **params) -> Sequence:
     """A request of ``num_tokens`` tokens (ids first_id, first_id + 1, ...), the first ``num_computed`` computed."""
     prompt = list(range(first_id, first_id + num_tokens))
-    seq = Sequence(request_id, None, prompt, m2.SamplingParams(max_tokens=4), seed=0,
+    seq = Sequence(request_id, None, prompt, m2.SamplingParams(max_tokens=4, **params), seed=0,
                    detokenizer=IncrementalDetokenizer(None, prompt, []))
     seq.num_computed_tokens = num_computed
     return seq
@@ -121,3 +122,32 @@ def test_with_a_decode_kernel_the_decodes_go_to_kernel_batch(runner, monkeypatch
     )
     assert kernel_batch.context_lens.tolist() == [8, 13, 5], "a decode's context_len counts its new token"
     assert inputs.sample_rows == [0, 1, 2], "decodes sample whether the kernel or torch attends to them"
+
+
+def test_prompt_logprob_rows_start_at_the_requests_first_row(runner):
+    """G decodes at row 0; H, which asks for prompt_logprobs=2, prefills tokens 3 to 7 of its 12 at rows 1 to 5:
+    those rows score its prompt tokens 4 to 8, from row 1 on."""
+    g, h = request("G", 8, 7, 100), request("H", 12, 3, 700, prompt_logprobs=2)
+    inputs = runner.prepare_inputs(ScheduledBatch([g, h], [1, 5], [0, 1]))
+    found = [(rows.request_id, rows.first_row, rows.start, rows.token_ids, rows.k) for rows in inputs.prompt_rows]
+    want = [("H", 1, 3, h.prompt_token_ids[4:9], 2)]
+    assert found == want, (
+        f"prompt_rows are {found} (request, first_row, start, token_ids, k), expected {want}: every request adds "
+        "PromptLogprobRows.of(seq, row, start, end), row being its first row in the flat batch (the tokens packed "
+        "before it), not 0 as in m1's batch of one request"
+    )
+
+
+def test_every_tensor_is_made_on_the_runners_device(runner, monkeypatch):
+    """The runner's device stands in as "meta" (a device other than the CPU that every machine has): a tensor made
+    without device=self.device (self._tensor does it) stays on the CPU, where a CUDA model cannot read it."""
+    monkeypatch.setattr(runner, "device", torch.device("meta"))
+    _, batch = the_chapters_step()
+    inputs = runner.prepare_inputs(batch)
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions, "ctx.token_slots": inputs.ctx.token_slots,
+               "ctx.positions": inputs.ctx.positions}
+    elsewhere = {name: str(tensor.device) for name, tensor in tensors.items() if tensor.device.type != "meta"}
+    assert not elsewhere, (
+        f"with the runner's device {runner.device}, prepare_inputs made {elsewhere}: make every tensor on "
+        "self.device, with self._tensor(values) (a plain torch.tensor(values) is on the CPU)"
+    )

@@ -18,9 +18,21 @@ def make_seq(request_id: str, prompt_len: int) -> Sequence:
     )
 
 
+def check_slots(scheduler: Scheduler) -> None:
+    """Each of the max_num_seqs KV slots is either a running request's (kv_slot) or free, never both, never lost."""
+    owned, free = dict(scheduler.kv_slot), list(scheduler.free_slots)
+    assert sorted([*owned.values(), *free]) == list(range(scheduler.config.max_num_seqs)), (
+        f"the running requests' KV slots are {owned} and the free ones {free}: each of the "
+        f"{scheduler.config.max_num_seqs} slots must be owned by one running request or be free, exactly once "
+        "(admission takes its slot with self.free_slots.pop())"
+    )
+
+
 def step(scheduler: Scheduler, finished: set[str] = frozenset()):
-    """Plan one step and pretend to run it: advance computed tokens, 'sample' a token when a chunk completes."""
+    """Plan one step and pretend to run it: advance computed tokens, 'sample' a token when a chunk completes. The KV
+    slots are checked after every plan."""
     batch = scheduler.schedule()
+    check_slots(scheduler)
     if batch is None:
         return None
     for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -31,6 +43,27 @@ def step(scheduler: Scheduler, finished: set[str] = frozenset()):
                 seq.finish("stop")
                 scheduler.finish(seq)
     return batch
+
+
+def test_admission_stops_at_max_num_seqs():
+    """max_num_seqs=2 and three short prompts waiting: a and b are admitted, c waits. The scheduler has a KV slot for
+    each of max_num_seqs requests and no more, so admitting a third pops from an empty self.free_slots."""
+    scheduler = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
+    for request_id in "abc":
+        scheduler.add(make_seq(request_id, 4))
+    try:
+        batch = scheduler.schedule()
+    except IndexError as error:
+        raise AssertionError(
+            f"schedule() raised IndexError({error}) with max_num_seqs=2 and 3 requests waiting: self.free_slots holds "
+            "max_num_seqs slots, so a third pop means a third request was admitted; admit only while "
+            "len(self.running) < max_num_seqs"
+        ) from error
+    admitted, waiting = [s.request_id for s in batch.seqs], [s.request_id for s in scheduler.waiting]
+    assert admitted == ["a", "b"] and waiting == ["c"], (
+        f"the first step admitted {admitted} and left {waiting} waiting, expected ['a', 'b'] and ['c']: admission "
+        "stops once max_num_seqs=2 requests run"
+    )
 
 
 def test_budgets_are_respected_every_step():

@@ -10,15 +10,26 @@ from milestones.m3.block_manager import BlockManager
 
 
 def test_tables_grow_block_by_block():
+    """8 blocks of 4 tokens, free in the order 0, 1, ..., 7: each grow takes what it needs from the front."""
     manager = BlockManager(num_blocks=8, block_size=4)
-    assert manager.grow("a", 1) == [0]
-    assert manager.grow("a", 4) == [0]  # still fits in the first block
-    assert manager.grow("a", 5) == [0, 1]
-    assert manager.grow("b", 9) == [2, 3, 4]
-    assert manager.num_free_blocks == 3
+    for request_id, num_tokens, want, why in [
+        ("a", 1, [0], "a new request's first block is the front of the free list, block 0"),
+        ("a", 4, [0], "4 tokens still fit in a's first block: nothing is added"),
+        ("a", 5, [0, 1], "a 5th token needs a second block, the next one at the front of the free list"),
+        ("b", 9, [2, 3, 4], "9 tokens need 3 blocks of 4, taken in order from the front of the free list"),
+    ]:
+        table = manager.grow(request_id, num_tokens)
+        assert table == want, (
+            f"grow({request_id!r}, {num_tokens}) returned the table {table}, expected {want}: {why} (a table holds "
+            "-(-num_tokens // block_size) blocks, the missing ones popped from the front of self.free_blocks)"
+        )
+    assert manager.num_free_blocks == 3, f"{manager.num_free_blocks} blocks are free after 5 were taken of 8, not 3"
     assert manager.num_new_blocks("a", 13) == 2 and manager.can_grow("a", 13) and not manager.can_grow("a", 21)
     manager.free("a")
-    assert manager.num_free_blocks == 5 and "a" not in manager.block_tables
+    assert manager.num_free_blocks == 5 and "a" not in manager.block_tables, (
+        f"after free('a'), {manager.num_free_blocks} blocks are free and the tables are {manager.block_tables}: "
+        "expected 5 free and no table for 'a' (free returns every block of the request and drops its table)"
+    )
     manager.check_integrity()
 
 
@@ -27,7 +38,10 @@ def test_growing_past_the_pool_raises_without_side_effects():
     manager.grow("a", 3)
     with pytest.raises(RuntimeError, match="needs 1 blocks"):
         manager.grow("b", 1)
-    assert manager.block_tables == {"a": [0, 1]}
+    assert manager.block_tables == {"a": [0, 1]}, (
+        f"a grow that raised left the tables {manager.block_tables}, not {{'a': [0, 1]}}: check that enough blocks "
+        "are free before changing anything (no table, not even an empty one, for 'b')"
+    )
     manager.check_integrity()
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from milestones.kernels import load_decode_kernel
-from milestones.m3.attention import AttentionContext, KernelBatch, RequestSpan, attention
+from milestones.m3.attention import AttentionContext, KernelBatch, RequestSpan, attention, gather
 from tests.conftest import needs_compiler
 
 HEADS, KV_HEADS, DIM, LAYERS = 6, 2, 16, 2
@@ -23,6 +23,22 @@ def reference(q_new, keys, values):
         q_new.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=visible, enable_gqa=True
     )
     return out.transpose(0, 1)
+
+
+def test_gather_reads_the_tables_blocks_in_order():
+    """A cache of 2 kv heads and 6 blocks of 3 positions whose every value is its head * 18 + block * 3 + offset:
+    tables [4, 1, 5] read blocks 4, 1 and 5 of each head, end to end."""
+    cache = torch.arange(2 * 6 * 3, dtype=torch.float32).view(2, 6, 3, 1).expand(-1, -1, -1, DIM).contiguous()
+    got = gather(cache, torch.tensor([4, 1, 5]))
+    want = torch.cat([cache[:, block] for block in (4, 1, 5)], dim=1)  # [kv_heads, 9, dim]
+    assert got.shape == want.shape, (
+        f"gather(cache [2, 6, 3, {DIM}], tables [4, 1, 5]) has shape {list(got.shape)}, not {list(want.shape)}: "
+        "[kv_heads, len(tables) * block_size, dim]"
+    )
+    assert torch.equal(got, want), (
+        f"gather read {got[:, :, 0].tolist()} (dim 0 of each head's 9 positions), expected {want[:, :, 0].tolist()} "
+        "(head * 18 + block * 3 + offset): each head's blocks of the tables, in the tables' order, end to end"
+    )
 
 
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_compiler)], ids=["torch", "kernel"])
@@ -75,5 +91,13 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
         rows.append(rows[-1] + n)
     for i, (start, end) in enumerate(zip(rows, rows[1:])):
         keys, values = history[i]
-        torch.testing.assert_close(out[start:end], reference(q[start:end], keys, values), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out[start:end], reference(q[start:end], keys, values), atol=1e-5, rtol=1e-5,
+            msg=lambda message, i=i, start=start, end=end: (
+                f"request {i} ({requests[i][0]} tokens cached, {requests[i][1]} new, rows {start}..{end}): attention "
+                f"through its block table differs from contiguous attention over its keys and values. {message} "
+                "Its keys are ctx.block_tables' blocks from span.first on (gather), this step's written first at "
+                "ctx.slot_mapping"
+            ),
+        )
     assert not k_cache[1].any(), "another layer's cache was written"

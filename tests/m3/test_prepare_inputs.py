@@ -8,6 +8,7 @@ a different token when the whole engine runs.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from milestones import m3
 from milestones.m3.detokenizer import IncrementalDetokenizer
@@ -25,10 +26,10 @@ def runner(tiny_model_path):
     return llm.engine.runner
 
 
-def request(request_id: str, num_tokens: int, num_computed: int) -> Sequence:
+def request(request_id: str, num_tokens: int, num_computed: int, **params) -> Sequence:
     """A request of ``num_tokens`` tokens (ids 100, 101, ...), the first ``num_computed`` of them computed."""
     prompt = list(range(100, 100 + num_tokens))
-    seq = Sequence(request_id, None, prompt, m3.SamplingParams(max_tokens=4), seed=0,
+    seq = Sequence(request_id, None, prompt, m3.SamplingParams(max_tokens=4, **params), seed=0,
                    detokenizer=IncrementalDetokenizer(None, prompt, []))
     seq.num_computed_tokens = num_computed
     return seq
@@ -135,3 +136,31 @@ def test_with_a_decode_kernel_decodes_leave_ctx_requests_and_first_counts_the_ot
         "the kernel batch holds D's row and its table (cut to its context)"
     )
     assert batch.context_lens.tolist() == [10], "a decode's context_len counts its new token"
+
+
+def test_prompt_logprob_rows_start_at_the_requests_first_row(runner):
+    """G decodes at row 0; H, which asks for prompt_logprobs=2, prefills tokens 3 to 7 of its 12 at rows 1 to 5:
+    those rows score its prompt tokens 4 to 8, from row 1 on."""
+    g, h = request("G", 10, 9), request("H", 12, 3, prompt_logprobs=2)
+    inputs = prepare(runner, (g, 1, [5, 2, 7]), (h, 5, [4, 0]))
+    found = [(rows.request_id, rows.first_row, rows.start, rows.token_ids, rows.k) for rows in inputs.prompt_rows]
+    want = [("H", 1, 3, h.prompt_token_ids[4:9], 2)]
+    assert found == want, (
+        f"prompt_rows are {found} (request, first_row, start, token_ids, k), expected {want}: every request adds "
+        "PromptLogprobRows.of(seq, row, start, end), row being its first row in the flat batch (the tokens packed "
+        "before it)"
+    )
+
+
+def test_every_tensor_is_made_on_the_runners_device(runner, monkeypatch):
+    """The runner's device stands in as "meta" (a device other than the CPU that every machine has): a tensor made
+    without device=self.device (self._tensor does it) stays on the CPU, where a CUDA model cannot read it."""
+    monkeypatch.setattr(runner, "device", torch.device("meta"))
+    inputs = prepare(runner, (request("A", 10, 0), 10, [7, 2, 9]), (request("R", 10, 4), 6, [5, 2, 7]))
+    tensors = {"input_ids": inputs.input_ids, "positions": inputs.positions,
+               "ctx.slot_mapping": inputs.ctx.slot_mapping, "ctx.block_tables": inputs.ctx.block_tables}
+    elsewhere = {name: str(tensor.device) for name, tensor in tensors.items() if tensor.device.type != "meta"}
+    assert not elsewhere, (
+        f"with the runner's device {runner.device}, prepare_inputs made {elsewhere}: make every tensor on "
+        "self.device, with self._tensor(values) (a plain torch.tensor(values) is on the CPU)"
+    )

@@ -21,17 +21,39 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
 
 
 def make_scheduler(num_kv_blocks: int, max_num_batched_tokens: int = 64) -> Scheduler:
-    return Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
-                                  num_kv_blocks=num_kv_blocks, max_model_len=64))
+    """A scheduler whose block manager refuses, with the rule, a grow that schedule should have seen coming: without
+    it the block manager's own RuntimeError ends the step, and the check blames step 1's grow."""
+    scheduler = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens, block_size=4,
+                                       num_kv_blocks=num_kv_blocks, max_model_len=64))
+    manager, grow = scheduler.block_manager, scheduler.block_manager.grow
+
+    def checked_grow(request_id: str, num_tokens: int) -> list[int]:
+        if not manager.can_grow(request_id, num_tokens):
+            raise AssertionError(
+                f"schedule took request {request_id!r} with grow({request_id!r}, {num_tokens}), which needs "
+                f"{manager.num_new_blocks(request_id, num_tokens)} new blocks, but only {manager.num_free_blocks} "
+                "are free: before taking a request, preempt while `not self.block_manager.can_grow(request_id, "
+                "num_computed_tokens + num_new)` (the tokens it will hold in all, not the new ones alone)"
+            )
+        return grow(request_id, num_tokens)
+
+    manager.grow = checked_grow
+    return scheduler
 
 
 def record_victims(scheduler: Scheduler) -> list[str]:
-    """The ids of the requests ``scheduler._preempt`` is called with, in order (the step-4 test records them too)."""
+    """The ids of the requests ``scheduler._preempt`` is called with, in order (the step-4 test records them too);
+    each victim's blocks must be free once _preempt returns."""
     victims, preempt = [], scheduler._preempt
 
     def recording(seq):
         victims.append(seq.request_id)
         preempt(seq)
+        held = scheduler.block_manager.block_tables.get(seq.request_id)
+        assert held is None, (
+            f"after _preempt({seq.request_id!r}) the block manager still holds its table {held}: preemption frees "
+            "every block of the victim (self.block_manager.free), or the request that needs a block cannot get it"
+        )
 
     scheduler._preempt = recording
     return victims
@@ -164,6 +186,28 @@ def test_the_victim_is_the_latest_admitted_request_not_yet_scheduled_and_goes_to
     compute(scheduler, batch)
     run_to_the_end(scheduler)
     assert victims == ["B"] and scheduler.block_manager.num_free_blocks == 4
+
+
+def test_the_victim_is_the_latest_admitted_of_the_requests_not_yet_scheduled():
+    """5 blocks of 4 tokens: A (a 1-token prompt), B and C (4 tokens each) are admitted together, then decode. At
+    step 5 A needs a second block for its 5th token and none is free, while B and C are both still to be scheduled
+    in that step: C, admitted last, is the victim, and B keeps its blocks."""
+    scheduler = make_scheduler(num_kv_blocks=5)
+    for request_id, prompt_len in [("A", 1), ("B", 4), ("C", 4)]:
+        scheduler.add(make_seq(request_id, prompt_len, max_tokens=8))
+    victims = record_victims(scheduler)
+    for _ in range(4):
+        run_step(scheduler)
+    assert not victims and ids(scheduler.running) == ["A", "B", "C"], (
+        f"after four steps the victims were {victims} and {ids(scheduler.running)} ran, expected none and A, B and "
+        "C: the three fit the 5 blocks (1, 2 and 2) until A's 5th token"
+    )
+    batch = run_step(scheduler)  # step 5
+    assert victims == ["C"], (
+        f"the victims were {victims}, not ['C']: A needed a block, and of B and C, both not yet scheduled in this "
+        "step, the victim is the most recently admitted, C (`max(queue, key=self.running.index)`), not the earliest"
+    )
+    assert ids(batch.seqs) == ["A", "B"], f"step 5 scheduled {ids(batch.seqs)}, expected A and B once C was preempted"
 
 
 def test_a_request_with_no_victim_left_preempts_itself_and_is_left_out_of_the_step():
