@@ -167,7 +167,7 @@ CATALOGUE = (
         "m2-prompt-rows-from-the-first-row", "milestones/m2/model_runner.py",
         "prompt_rows += PromptLogprobRows.of(seq, row, start, end)",
         "prompt_rows += PromptLogprobRows.of(seq, 0, start, end)",
-        ("tests/m2/test_vs_m1.py::test_m2_matches_m1_on_a_mixed_workload",),
+        ("tests/m2/test_prepare_inputs.py::test_prompt_logprob_rows_start_at_the_requests_first_row",),
         "every request's prompt rows are read from the top of the packed batch",
     ),
     Mutation(

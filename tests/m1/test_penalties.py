@@ -114,10 +114,14 @@ def test_each_penalty_on_hand_made_logits():
         "frequency": (dict(frequency_penalty=0.5), [2.0, -1.5, 0.0, 0.5, -0.5]),
         "presence": (dict(presence_penalty=0.25), [2.0, -1.25, 0.75, 0.5, -0.5]),
     }
+    original = logits.clone()
     for name, (params, expected) in rows.items():
         got = sampler.apply_penalties(logits, [seq([0], [1, 2, 2], **params)])[0]
+        assert torch.equal(logits, original), (
+            f"apply_penalties with the {name} penalty changed the caller's logits to {logits[0].tolist()} (they "
+            f"were {original[0].tolist()}): penalize a clone, since the caller keeps the model's logits for the "
+            "logprobs")
         assert torch.equal(got, torch.tensor(expected)), f"{name}: got {got.tolist()}, expected {expected}"
-    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 1.0, 0.5, -0.5]])), "the caller's logits were changed"
     untouched = sampler.apply_penalties(logits, [seq([0], [1, 2, 2])])
     assert untouched is logits, "a row without penalties should cost nothing"
 

@@ -45,13 +45,6 @@ def test_rmsnorm_matches_transformers(smollm2, prefix, inputs):
         expect_close(f"RMSNorm({prefix}weight) of {inputs}", ours(x), reference(x), FLOAT32)
 
 
-def test_rmsnorm_in_bfloat16_returns_bfloat16(smollm2):
-    ours, reference = norms(smollm2, NORMS[0], torch.bfloat16)
-    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
-    with torch.no_grad():
-        expect_close("RMSNorm of bfloat16 inputs (a bfloat16 model)", ours(x), reference(x), BFLOAT16)
-
-
 def test_rmsnorm_squares_in_float32(smollm2):
     """Inputs of 300 in float16: their squares (90,000) overflow float16 (max 65,504), not float32."""
     ours, reference = norms(smollm2, NORMS[0], torch.float16)
@@ -59,3 +52,10 @@ def test_rmsnorm_squares_in_float32(smollm2):
     with torch.no_grad():
         expect_close("RMSNorm of float16 inputs of size 300 (squared in float32, or they overflow)", ours(x),
                      reference(x), Tolerance(0.0, rtol=2**-10))
+
+
+def test_rmsnorm_in_bfloat16_returns_bfloat16(smollm2):
+    ours, reference = norms(smollm2, NORMS[0], torch.bfloat16)
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.no_grad():
+        expect_close("RMSNorm of bfloat16 inputs (a bfloat16 model)", ours(x), reference(x), BFLOAT16)

@@ -35,7 +35,8 @@ def test_the_tables_match_transformers(smollm2, kind):
 def test_the_tables_build_inside_the_meta_device_as_from_pretrained_builds_them(smollm2):
     """from_pretrained builds the model inside `with torch.device("meta")` (no memory, no random weights), so
     RotaryEmbedding.__init__ calls build_tables there, and then again with the real device once the weights are in:
-    each tensor it makes must say where it lives, or the meta device takes it."""
+    each tensor it makes must say where it lives, or the meta device takes it. The tables end on the device given,
+    and are no part of the checkpoint."""
     expected = RotaryEmbedding(smollm2.config, 64)
     try:
         with torch.device("meta"):
@@ -50,11 +51,16 @@ def test_the_tables_build_inside_the_meta_device_as_from_pretrained_builds_them(
             "(torch.arange(n), torch.zeros(...)) is a meta tensor, which cannot be combined with rope_inv_freq's CPU "
             "tensor: make the positions with device=\"cpu\", then move the tables to `device`") from None
     for name in ("cos", "sin"):
-        table = getattr(rope, name)
-        assert table.device.type == "cpu", (
-            f"RotaryEmbedding.{name} after build_tables(cpu) lives on {table.device}: move it to the device given")
-        expect_close(f"RotaryEmbedding.{name} built under the meta device, then on the CPU", table,
+        expect_close(f"RotaryEmbedding.{name} built under the meta device, then on the CPU", getattr(rope, name),
                      getattr(expected, name), EXACT, source="the same tables built outside it")
+    rope.build_tables(torch.device("meta"))  # a device other than the CPU that every machine has
+    found = {name: getattr(rope, name).device.type for name in ("cos", "sin")}
+    assert found == {"cos": "meta", "sin": "meta"}, (
+        f"build_tables(device) left the tables on {found}: register them on the device given, `angles.cos()"
+        ".to(device)` (on a GPU they would stay on the CPU)")
+    saved = sorted(rope.state_dict())
+    assert not saved, (f"the tables are in the module's state_dict ({saved}): they are computed, not loaded from the "
+                       "checkpoint, so register them with `persistent=False`")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,6 +10,8 @@ position)`` alone, the position being the number of tokens the sequence has.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -104,6 +106,16 @@ def test_greedy_rows_take_the_argmax_whatever_their_noise(temperature):
         )
 
 
+@pytest.mark.parametrize("seed, position", [(0, 1), (5, 1), (5, 7), (2**40 + 3, 3), (-(2**63), 2)])
+def test_the_noise_is_seeded_by_the_seed_and_the_position_alone(seed, position):
+    s = seq(seed=seed, prompt_len=position)
+    sampler = Sampler(torch.device("cpu"))
+    for attempt in ("drawn", "drawn again (nothing carried over from the first draw)"):
+        expect_close(f"exponential_noise of a request with seed {seed} and {position} tokens, {attempt}",
+                     sampler.exponential_noise(s, VOCAB), expected_noise(seed, position, VOCAB), EXACT,
+                     source=f"a generator seeded with noise_seed({seed}, {position})")
+
+
 def test_sampled_rows_race_their_probabilities_against_their_own_noise():
     """Each row's token is exactly argmax(probs / noise): its logits / temperature, filtered, raced with its noise."""
     logits = 2 * torch.randn(len(ROWS), VOCAB, generator=torch.Generator().manual_seed(2))
@@ -120,14 +132,26 @@ def test_sampled_rows_race_their_probabilities_against_their_own_noise():
         )
 
 
-@pytest.mark.parametrize("seed, position", [(0, 1), (5, 1), (5, 7), (2**40 + 3, 3), (-(2**63), 2)])
-def test_the_noise_is_seeded_by_the_seed_and_the_position_alone(seed, position):
-    s = seq(seed=seed, prompt_len=position)
-    sampler = Sampler(torch.device("cpu"))
-    for attempt in ("drawn", "drawn again (nothing carried over from the first draw)"):
-        expect_close(f"exponential_noise of a request with seed {seed} and {position} tokens, {attempt}",
-                     sampler.exponential_noise(s, VOCAB), expected_noise(seed, position, VOCAB), EXACT,
-                     source=f"a generator seeded with noise_seed({seed}, {position})")
+def test_the_temperature_divides_the_logits_before_top_p():
+    """logits [ln 3, 0]: as they are, token 0 holds 0.75 and top_p=0.7 keeps it alone; divided by temperature 2 it
+    holds 0.63 and top-p keeps both tokens. Forty rows, each with its own seed: some draw token 1."""
+    logits = torch.tensor([math.log(3), 0.0]).repeat(40, 1)
+    seqs = [seq(seed=row, temperature=2.0, top_p=0.7) for row in range(40)]
+    tokens = picks(Sampler(torch.device("cpu")), logits, seqs)
+    probs = transformers_probs(logits[0] / 2.0, -1, 0.7)  # [0.63, 0.37]: both kept
+    expected = [int((probs / expected_noise(s.seed, s.num_tokens, 2)).argmax()) for s in seqs]
+    assert tokens == expected, (
+        f"40 rows of logits [ln 3, 0] with temperature=2.0, top_p=0.7 drew token 1 {tokens.count(1)} times, the "
+        f"race over the logits divided by the temperature, then filtered, {expected.count(1)} times: divide by the "
+        "temperature before filtered_probs (top-p keeps token 0 alone at temperature 1, both tokens at 2)")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: on a CPU every tensor is on the CPU")
+def test_the_noise_is_drawn_on_the_samplers_device():
+    noise = Sampler(torch.device("cuda")).exponential_noise(seq(seed=1, prompt_len=2), VOCAB)
+    assert noise.device.type == "cuda", (
+        f"exponential_noise made its noise on {noise.device}, not the sampler's device cuda: "
+        "`torch.empty(vocab, device=self.device)`")
 
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
