@@ -199,17 +199,25 @@ def run_step(step: Step) -> StepRun:
 
 def owner(frames: tuple[tuple[Path, int], ...], package: Path, lesson: tuple[Step, ...]) -> tuple[int, str] | None:
     """The step that owns the failure and the lesson function it was raised in: the innermost frame of the traceback
-    inside a function of the learner's package that an exercise names. None if no lesson function is on it (a wrong
+    inside a function of the learner's package that an exercise names, unless that frame is a ``raise`` of the
+    function's own (a refusal such as "needs 3 blocks but only 2 are free", not a stub's NotImplementedError): then
+    the function that asked is at fault, the next lesson function out. None if no lesson function is on it (a wrong
     result the test itself asserts)."""
     steps = {(e.file, name): number for number, step in enumerate(lesson, 1) for e in step.exercises
              for name in e.functions}
+    found = []  # (step, function, refused) from the innermost frame out
     for path, line in reversed(frames):
         if not path.is_relative_to(package) or not path.is_file():
             continue
-        file = path.relative_to(package).as_posix()
-        for name, node in functions(ast.parse(path.read_text())).items():
+        file, tree = path.relative_to(package).as_posix(), ast.parse(path.read_text())
+        for name, node in functions(tree).items():
             if (file, name) in steps and node.lineno <= line <= node.end_lineno:
-                return steps[file, name], name
+                refused = any(isinstance(n, ast.Raise) and n.lineno <= line <= n.end_lineno
+                              and "NotImplementedError" not in ast.unparse(n) for n in ast.walk(node))
+                found.append((steps[file, name], name, refused))
+    for index, (number, name, refused) in enumerate(found):
+        if not refused or index == len(found) - 1:
+            return number, name
     return None
 
 

@@ -16,18 +16,20 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
-from milestones.course import LESSONS, Exercise
+from milestones.course import LESSONS, Exercise, Step
 from milestones.exercise import (
     PACKAGE_ROOT,
     REPO_ROOT,
     functions,
     header,
     main,
+    owner,
     section_lines,
     start,
     step_range,
@@ -208,6 +210,38 @@ def test_a_failure_is_reported_under_the_step_that_owns_the_function_it_was_rais
     assert "FAIL" in result.stdout and "the failure is in step 1's RMSNorm.forward" in result.stdout, result.stdout
     assert f"which step 1 (RMSNorm) is about: {LESSONS['m1'][0].hint}" in result.stdout, result.stdout
     assert f"`make check M=m1 IMPL={package} STEP=1` runs that step alone" in result.stdout, result.stdout
+
+
+def test_a_refusal_raised_on_purpose_is_the_callers_fault(tmp_path):
+    """A lesson function that raises on purpose (BlockManager.grow's "needs 3 blocks but only 2 are free") was asked
+    for something it must refuse: the report names the function that asked (the scheduler, a later step); a stub's
+    NotImplementedError, or an error inside the function's own work, stays the function's."""
+    source = textwrap.dedent("""\
+        def grow(n):
+            if n > 2:
+                raise RuntimeError("needs more blocks")
+            return [0] * n + n.missing
+
+
+        def stubbed():
+            raise NotImplementedError("yours to write")
+
+
+        def schedule(n):
+            return grow(n)
+        """)
+    (tmp_path / "lesson.py").write_text(source)
+    lines = source.splitlines()
+    at = {text.strip(): number for number, text in enumerate(lines, 1)}
+    lesson = (Step("one", (), "", (Exercise("lesson.py", "s", ("grow", "stubbed"), ""),)),
+              Step("two", (), "", (Exercise("lesson.py", "s", ("schedule",), ""),)))
+    file, call = tmp_path / "lesson.py", at["return grow(n)"]
+    assert owner(((file, call), (file, at['raise RuntimeError("needs more blocks")'])), tmp_path, lesson) == (
+        2, "schedule")
+    assert owner(((file, call), (file, at['raise NotImplementedError("yours to write")'])), tmp_path, lesson) == (
+        1, "stubbed")
+    assert owner(((file, call), (file, at["return [0] * n + n.missing"])), tmp_path, lesson) == (1, "grow")
+    assert owner(((file, at['raise RuntimeError("needs more blocks")']),), tmp_path, lesson) == (1, "grow")
 
 
 def test_step_ranges_name_steps_from_one_inclusive():
