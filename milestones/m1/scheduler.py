@@ -21,10 +21,12 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.waiting: deque[Sequence] = deque()
+        self.by_id: dict[str, Sequence] = {}  # the unfinished requests, found by id without a scan
         self.running: Sequence | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return self.running is not None or bool(self.waiting)
@@ -43,6 +45,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Forget a sequence that has finished (or been aborted) so its cache can be reused."""
+        self.by_id.pop(seq.request_id, None)
         if self.running is seq:
             self.running = None
         elif seq in self.waiting:
@@ -50,11 +53,15 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Every request's state agrees with where it sits (one running at most: ``running`` is a single slot)."""
+        unfinished = {seq.request_id for seq in [*self.running_seqs(), *self.waiting]}
+        assert self.by_id.keys() == unfinished, (
+            f"by_id holds {sorted(self.by_id)}, the unfinished requests are {sorted(unfinished)}: add and finish "
+            "keep it"
+        )
         check_sequences(self.running_seqs(), list(self.waiting), self.config.max_model_len)
 
     def running_seqs(self) -> list[Sequence]:
         return [self.running] if self.running else []
 
     def find(self, request_id: str) -> Sequence | None:
-        candidates = ([self.running] if self.running else []) + list(self.waiting)
-        return next((s for s in candidates if s.request_id == request_id), None)
+        return self.by_id.get(request_id)

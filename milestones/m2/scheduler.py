@@ -29,12 +29,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.waiting: deque[Sequence] = deque()
+        self.by_id: dict[str, Sequence] = {}  # the unfinished requests, found by id without a scan
         self.running: list[Sequence] = []
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.kv_slot: dict[str, int] = {}  # request id -> its KV slot
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -67,6 +69,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Forget a finished (or aborted) sequence and free its KV slot at once."""
+        self.by_id.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
             self.free_slots.append(self.kv_slot.pop(seq.request_id))
@@ -75,6 +78,11 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Every request's state agrees with where it sits, and each running one owns its own KV slot."""
+        unfinished = {seq.request_id for seq in [*self.running_seqs(), *self.waiting]}
+        assert self.by_id.keys() == unfinished, (
+            f"by_id holds {sorted(self.by_id)}, the unfinished requests are {sorted(unfinished)}: add and finish "
+            "keep it"
+        )
         check_sequences(self.running, list(self.waiting), self.config.max_model_len)
         assert set(self.kv_slot) == {seq.request_id for seq in self.running}, "a KV slot has no running request"
         slots = [*self.kv_slot.values(), *self.free_slots]
@@ -84,4 +92,4 @@ class Scheduler:
         return list(self.running)
 
     def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)
+        return self.by_id.get(request_id)

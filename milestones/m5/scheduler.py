@@ -38,6 +38,7 @@ class Scheduler:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
         self.waiting: deque[Sequence] = deque()
+        self.by_id: dict[str, Sequence] = {}  # the unfinished requests, found by id without a scan
         self.running: list[Sequence] = []  # in admission order
         self.locked: dict[str, Node] = {}  # request id -> the deepest tree node it locks
         self.locked_tokens: dict[str, int] = {}  # request id -> the tokens from the root to that node
@@ -55,6 +56,7 @@ class Scheduler:
                 "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
             )
         self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.running or self.waiting)
@@ -174,6 +176,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Cache what a finished (or aborted) sequence computed, then return its blocks at once."""
+        self.by_id.pop(seq.request_id, None)
         if seq in self.running:
             self._cache(seq)
             self.running.remove(seq)
@@ -184,6 +187,11 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Every request's state agrees with where it sits and its blocks hold what it computed; free + cached +
         in-use blocks = the pool, and the tree is well formed."""
+        unfinished = {seq.request_id for seq in [*self.running_seqs(), *self.waiting]}
+        assert self.by_id.keys() == unfinished, (
+            f"by_id holds {sorted(self.by_id)}, the unfinished requests are {sorted(unfinished)}: add and finish "
+            "keep it"
+        )
         check_sequences(self.running, list(self.waiting), self.config.max_model_len)
         tables = self.block_manager.block_tables
         assert set(tables) == {seq.request_id for seq in self.running}, "a block table has no running request"
@@ -214,7 +222,7 @@ class Scheduler:
         return list(self.running)
 
     def find(self, request_id: str) -> Sequence | None:
-        return next((s for s in [*self.running, *self.waiting] if s.request_id == request_id), None)
+        return self.by_id.get(request_id)
 
 
 def _path_blocks(node: Node) -> list[int]:
