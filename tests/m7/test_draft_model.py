@@ -59,6 +59,102 @@ def one_layer_draft(tiny_model_path, tmp_path_factory):
     return first_layers_copy(tiny_model_path, 1, tmp_path_factory.mktemp("draft") / "first-layer")
 
 
+@pytest.fixture(scope="module")
+def draft_calls(tiny_model_path):
+    """What each propose_batch call saw and did, for a greedy and a sampled request (acceptance "rejection"), the
+    model as its own draft: its rows' chunks and rooms, where each pass of the draft fed each view from, the guesses,
+    their q, and num_drafted_tokens before and after."""
+    calls = []
+    config = draft(tiny_model_path) | {"acceptance": "rejection"}
+    prompts = [prompt_of(40, seed=31), prompt_of(9, seed=32)]  # the first is prefilled in two chunks
+    settings = [dict(max_tokens=12, temperature=0, ignore_eos=True),
+                dict(max_tokens=12, temperature=0.8, top_k=20, seed=4, ignore_eos=True)]
+    with m7.LLM(tiny_model_path, **LIMITS, speculative_config=config) as llm:
+        proposer = llm.engine.speculator.proposer
+        propose, prepare = proposer.propose_batch, proposer.runner.prepare
+
+        def recorded_prepare(batch):
+            calls[-1]["passes"].append([(view.num_computed_tokens, len(view.token_ids)) for view in batch.seqs])
+            return prepare(batch)
+
+        def recorded(batch):
+            seqs = batch.seqs
+            calls.append(dict(ids=[seq.request_id for seq in seqs], greedy=[seq.params.greedy for seq in seqs],
+                              before=[seq.num_drafted_tokens for seq in batch.seqs], rooms=dict(batch.guess_rooms),
+                              ends=[seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)],
+                              passes=[]))
+            guesses = propose(batch)
+            calls[-1].update(guesses={row: list(g) for row, g in guesses.items()}, after=[seq.num_drafted_tokens for seq in batch.seqs],
+                             guess_probs={k: list(v) for k, v in batch.guess_probs.items()})
+            return guesses
+
+        proposer.runner.prepare, proposer.propose_batch = recorded_prepare, recorded
+        run(m7, llm, prompts, settings)
+    assert any(call["guesses"] for call in calls), "no step guessed: the tests below check nothing"
+    return calls
+
+
+def test_the_draft_feeds_each_row_from_where_it_stopped_to_the_end_of_its_chunk(draft_calls):
+    for number, call in enumerate(draft_calls):
+        first = call["passes"][0]
+        fed = [start for start, _ in first]
+        assert fed == call["before"], (
+            f"propose_batch call {number}: the draft's first pass fed its rows from positions {fed}, but the draft "
+            f"had computed {call['before']} tokens of them (seq.num_drafted_tokens): a view starts at "
+            "seq.num_drafted_tokens, not at num_computed_tokens (after a step whose guesses were all kept the draft "
+            "is a token behind the target: the last guess was never fed)"
+        )
+        ends = [end for _, end in first]
+        assert ends == call["ends"], (
+            f"propose_batch call {number}: the draft's first pass read its rows up to {ends}, but the step's chunks "
+            f"end at {call['ends']} (num_computed_tokens + num_new_tokens): a view holds seq.token_ids[:end]"
+        )
+        for row, guesses in call["guesses"].items():
+            assert len(guesses) == call["rooms"].get(row, 0), (
+                f"propose_batch call {number}: row {row} got {len(guesses)} guesses with room for "
+                f"{call['rooms'].get(row, 0)}: the draft guesses as many as batch.guess_rooms gives, one a pass"
+            )
+        assert set(call["guesses"]) == set(call["rooms"]), (
+            f"propose_batch call {number} returned guesses for rows {sorted(call['guesses'])}, the rows with room are "
+            f"{sorted(call['rooms'])}: a row each, every row with room"
+        )
+        want = [end + max(len(call["guesses"].get(row, [])) - 1, 0) for row, end in enumerate(call["ends"])]
+        assert call["after"] == want, (
+            f"propose_batch call {number}: num_drafted_tokens is {call['after']} afterwards, expected {want}: each "
+            "row's chunk and every guess but the last (sampled, never fed) were computed by the draft, and "
+            "seq.num_drafted_tokens is set to its view's num_computed_tokens"
+        )
+
+
+def test_under_rejection_each_sampled_guess_comes_with_the_distribution_it_was_drawn_from(draft_calls):
+    """acceptance "rejection": the target judges a draft's guess x against q(x), the draft's probability of it. A
+    guess without its q is taken as certain (q one-hot), which keeps it with probability p(x) rather than
+    min(1, p(x) / q(x)): the tokens no longer follow the target's distribution."""
+    sampled_guesses = 0
+    for number, call in enumerate(draft_calls):
+        for row, guesses in call["guesses"].items():
+            request, q = call["ids"][row], call["guess_probs"].get(call["ids"][row], [])
+            if call["greedy"][row]:
+                assert not q, (
+                    f"propose_batch call {number}: greedy request {request!r} has {len(q)} distributions in "
+                    "batch.guess_probs: a greedy pick is certain, only a sampled request's guesses get their q"
+                )
+                continue
+            sampled_guesses += len(guesses)
+            assert len(q) == len(guesses), (
+                f"propose_batch call {number}: sampled request {request!r} guessed {len(guesses)} tokens, and "
+                f"batch.guess_probs[{request!r}] holds {len(q)} distributions: one per guess, in order, each the "
+                "next of self.runner.sampler.drawn_from after the pass that drew it"
+            )
+            for place, (guess, probs) in enumerate(zip(guesses, q)):
+                assert abs(float(probs.sum()) - 1) < 1e-4 and float(probs[guess]) > 0, (
+                    f"propose_batch call {number}: guess {place} of request {request!r}, token {guess}, comes with "
+                    f"a q of sum {float(probs.sum()):.4f} giving it {float(probs[guess]):.3g}: q is the distribution "
+                    "the guess was drawn from (it sums to 1 and gives the guess a chance)"
+                )
+    assert sampled_guesses > 0, "the sampled request guessed nothing: the test checks nothing"
+
+
 @pytest.mark.parametrize("options", OPTIONS, ids=IDS)
 def test_the_model_as_its_own_draft_has_every_guess_kept(tiny_model_path, workload, reference, options):
     with m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=draft(tiny_model_path)) as llm:
