@@ -21,6 +21,17 @@ def test_future_ids_are_negative_and_wrap_around_the_ring():
     assert futures.allocate(0) == [], "allocate(0) hands out no id: []"
 
 
+def test_store_puts_each_token_at_its_ids_place():
+    futures = FutureMap(6, CPU)
+    futures.store([-1, -4, -6], torch.tensor([11, 44, 66]))
+    assert futures.tokens.tolist() == [11, 0, 0, 44, 0, 66], (
+        f"after store([-1, -4, -6], [11, 44, 66]) the ring holds {futures.tokens.tolist()}, expected "
+        "[11, 0, 0, 44, 0, 66]: future id f is place -1 - f of self.tokens (-1 is place 0), not f itself"
+    )
+    futures.store([], torch.tensor([], dtype=torch.long))
+    assert futures.tokens.tolist() == [11, 0, 0, 44, 0, 66], "store with no future ids changes nothing"
+
+
 def test_resolve_replaces_only_future_ids_by_their_stored_tokens():
     futures = FutureMap(6, CPU)
     first = futures.allocate(2)
