@@ -80,7 +80,14 @@ def draft_calls(small_vocab_model_path):
         propose, prepare = proposer.propose_batch, proposer.runner.prepare
 
         def recorded_prepare(batch):
-            calls[-1]["passes"].append([(view.num_computed_tokens, len(view.token_ids)) for view in batch.seqs])
+            call, fed = calls[-1], [(view.num_computed_tokens, len(view.token_ids)) for view in batch.seqs]
+            ends = [end for _, end in fed]
+            assert call["passes"] or ends == call["ends"], (  # checked here: a view past its chunk reads no table
+                f"propose_batch call {len(calls) - 1}: the draft's first pass read its rows up to {ends}, but the "
+                f"step's chunks end at {call['ends']} (num_computed_tokens + num_new_tokens): a view holds "
+                "seq.token_ids[:end], the target's chunk and no more (the block tables hold no slot past it)"
+            )
+            call["passes"].append(fed)
             return prepare(batch)
 
         def recorded(batch):
