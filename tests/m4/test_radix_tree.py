@@ -52,6 +52,37 @@ def test_duplicate_insert_keeps_the_first_blocks():
     tree.check_integrity()
 
 
+def test_lock_and_unlock_count_every_node_up_to_the_root():
+    tree = RadixTree(BS)
+    tree.insert([1, 1, 2, 2], [1, 2])
+    leaf, _ = tree.insert([1, 1, 3, 3], [5, 6])  # splits the edge: [1, 1] (block 1) above [2, 2] and [3, 3]
+    path, node = [], leaf
+    while node is not None:  # the leaf, its parent [1, 1], the root
+        path.append(node)
+        node = node.parent
+    before = [n.lock_ref for n in path]
+    tree.lock(leaf)
+    after = [n.lock_ref for n in path]
+    assert after == [b + 1 for b in before], (
+        f"lock_ref from the leaf up to the root went from {before} to {after} on lock(leaf), expected "
+        f"{[b + 1 for b in before]}: lock adds one to the node and to every node up to the root (node.parent until "
+        "None), so no node a request reads through can be evicted"
+    )
+    assert tree.num_evictable_blocks == 1, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks} with the leaf's path locked, expected 1 (block 2, "
+        "of the other leaf): a node's blocks leave the count when its lock_ref leaves 0"
+    )
+    tree.unlock(leaf)
+    assert [n.lock_ref for n in path] == before, (
+        f"lock_ref from the leaf up to the root is {[n.lock_ref for n in path]} after unlock, expected {before} "
+        "again: unlock takes one off the node and every node up to the root"
+    )
+    assert tree.num_evictable_blocks == 3, (
+        f"num_evictable_blocks is {tree.num_evictable_blocks} after unlock, expected 3: the path's blocks come back "
+        "when its nodes' lock_ref returns to 0"
+    )
+
+
 def test_locked_paths_are_never_evicted_and_eviction_is_lru():
     tree = RadixTree(BS)
     a, _ = tree.insert([1, 1, 2, 2], [1, 2])
@@ -64,6 +95,9 @@ def test_locked_paths_are_never_evicted_and_eviction_is_lru():
         "blocks leave the count when its lock_ref leaves 0"
     )
     first = tree.evict(1)
+    assert not set(first) & {1, 2}, (
+        f"evict(1) released {first}, blocks of a, which is locked: only unlocked leaves (lock_ref 0) are evicted"
+    )
     assert first == [4], (
         f"evict(1) released {first}, expected c's [4]: match_prefix([3, 3]) stamped b as used after c, so c is the "
         "least recently used leaf (every match and insert stamps last_access = next(self._clock))"

@@ -82,7 +82,10 @@ def test_a_request_that_stops_leaves_at_once_without_the_token_in_flight(llm):
         f"the stopped request holds {seq.output_token_ids}, expected {want}: up to its stop token, not the token "
         "its next step, already launched, computes (drop_pending_tokens(seq))"
     )
-    assert seq.num_pending_tokens == 0, f"the stopped request still counts {seq.num_pending_tokens} pending tokens"
+    assert seq.num_pending_tokens == 0, (
+        f"the stopped request still counts {seq.num_pending_tokens} pending tokens: a request that finishes in "
+        "_process has the tokens of its steps in flight dropped (drop_pending_tokens(seq))"
+    )
     assert seq not in engine.scheduler.running and short not in engine.scheduler.block_manager.block_tables, (
         "a request that finishes in _process gives its place and blocks back at once: self.scheduler.finish(seq)"
     )

@@ -43,6 +43,41 @@ def judged(q: torch.Tensor | None, guess_from: torch.Tensor, seed: int) -> torch
     return rejection_sample(P.expand(ROWS, -1), guesses, uniforms, noise, None if q is None else q.expand(ROWS, -1))
 
 
+def test_the_rule_row_by_row():
+    """Hand-made rows, each testing one part of the rule, before the statistics below: a guess is kept exactly when
+    u * q(guess) < p(guess); a rejected one is replaced by the exponential race over max(p - q, 0), never over p."""
+    q = torch.tensor([0.1, 0.4, 0.1, 0.3, 0.1])  # the guess, token 1, has p/q = 0.25/0.4 = 0.625
+    cases = [  # (guess, u, certain, what the row must give, why)
+        (1, 0.6, False, 1, "u = 0.6 < p/q = 0.625 at the guess: kept (u * q(guess) < p(guess))"),
+        (1, 0.65, False, None, "u = 0.65 > p/q = 0.625 at the guess: rejected"),
+        (0, 0.99, False, 0, "p(guess) = 0.45 > q(guess) = 0.1: kept whatever u (min(1, p/q) = 1)"),
+        (0, 0.4, True, 0, "a certain guess (q None: one-hot) is kept with probability p(guess): u = 0.4 < 0.45"),
+        (0, 0.5, True, None, "a certain guess with u = 0.5 > p(guess) = 0.45: rejected"),
+    ]
+    # Noise that favours token 3 in the race: drawn from p, token 3 (p/noise = 100) would win; its residual
+    # max(p - q, 0) is 0 whatever the guess, so a rejected guess's replacement must be another token.
+    noise = torch.tensor([1.0, 1.0, 1.0, 1e-3, 1.0])
+    for guess, u, certain, want, why in cases:
+        token = int(rejection_sample(P[None], torch.tensor([guess]), torch.tensor([u]), noise[None],
+                                     None if certain else q[None])[0])
+        residual = (P - (torch.nn.functional.one_hot(torch.tensor(guess), len(P)).float() if certain else q)).clamp(
+            min=0)
+        if want is not None:
+            assert token == want, f"guess {guess} gave token {token}, expected the guess kept: {why}"
+            continue
+        assert token != guess, f"guess {guess} was kept: {why}"
+        rounded = [round(x, 2) for x in q.tolist()]
+        shown = f"p {[round(x, 2) for x in P.tolist()]}, q {'one-hot' if certain else rounded}"
+        assert residual[token] > 0, (
+            f"guess {guess}, rejected ({why}), was replaced by token {token}, whose residual max(p - q, 0) is 0 "
+            f"({shown}): the replacement is drawn from the residual, argmax(residual / noise), never from p itself"
+        )
+        assert token == int((residual / noise).argmax()), (
+            f"guess {guess}, rejected ({why}), was replaced by token {token}, expected "
+            f"{int((residual / noise).argmax())}: the exponential race over the residual, argmax(residual / noise)"
+        )
+
+
 @pytest.mark.parametrize("q", [
     torch.tensor([0.1, 0.4, 0.1, 0.3, 0.1]),  # a draft that is often wrong
     torch.tensor([0.4, 0.3, 0.1, 0.1, 0.1]),  # one close to the target

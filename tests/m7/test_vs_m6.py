@@ -5,6 +5,11 @@ there. The tiny-model tests swap in a proposer that guesses from m6's own output
 wrong on purpose at every third position: guesses are kept and rejected at known
 places, so both paths run in every test. The ngram proposer itself meets real text on
 the bundled model, asked to copy a passage.
+
+test_m7_matches_m6 runs the whole workload, a structured request included, on the tiny model.
+The tests of how guesses are scheduled, streamed, counted, stopped or undone run it without
+the structured request on the tiny model cut to 4,096 tokens (conftest.py), whose steps cost
+a fraction: a grammar needs the tokenizer's whole vocabulary.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from milestones.m7.step import DecodeInputs
 from tests.chain import LIMITS as CHAIN_LIMITS
 from tests.chain import Completion, assert_same_outputs, completions, mixed_workload, run, stop_rules_from
 from tests.conftest import needs_compiler
+from tests.m7.conftest import SMALL_VOCAB
 
 LIMITS = dict(CHAIN_LIMITS, enforce_eager=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -59,6 +65,21 @@ def workload():
 @pytest.fixture(scope="module")
 def reference(tiny_model_path, workload):
     return run(m6, m6.LLM(tiny_model_path, **LIMITS), *workload)
+
+
+@pytest.fixture(scope="module")
+def plain_workload():
+    """The workload without its structured request, its prompts in the small vocabulary: for the tests whose point
+    is how guesses are scheduled, streamed, counted or undone, on the tiny model cut to 4,096 tokens (conftest.py),
+    where a step's head and the sampler's sort cost a twelfth. test_m7_matches_m6 runs the whole workload."""
+    prompts, settings = mixed_workload(16, seed=7, max_prompt=60, max_output=40)
+    prompts = [[3 + token % (SMALL_VOCAB - 3) for token in prompt] for prompt in prompts]
+    return prompts, [{k: v for k, v in s.items() if k != "structured_outputs"} for s in settings]
+
+
+@pytest.fixture(scope="module")
+def plain_reference(small_vocab_model_path, plain_workload):
+    return run(m6, m6.LLM(small_vocab_model_path, **LIMITS), *plain_workload)
 
 
 def spec_counts(llm) -> tuple[int, int]:
@@ -121,9 +142,11 @@ def test_a_captured_size_beyond_every_requests_guesses_is_refused(tiny_model_pat
                speculative_config=NGRAM)
 
 
-def test_a_step_of_disable_by_batch_size_requests_guesses_nothing(tiny_model_path, workload, reference):
+def test_a_step_of_disable_by_batch_size_requests_guesses_nothing(small_vocab_model_path, plain_workload,
+                                                                  plain_reference):
     config = dict(NGRAM, disable_by_batch_size=5)
-    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=config), workload[0], reference) as llm:
+    with speculating(m7.LLM(small_vocab_model_path, **LIMITS, speculative_config=config), plain_workload[0],
+                     plain_reference) as llm:
         runner, steps = llm.engine.runner, []
         real_prepare = runner.prepare
 
@@ -132,28 +155,29 @@ def test_a_step_of_disable_by_batch_size_requests_guesses_nothing(tiny_model_pat
             return real_prepare(batch)
 
         runner.prepare = recording
-        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        assert_same_outputs(run(m7, llm, *plain_workload), plain_reference, plain_workload[1])
         assert_guessed_both_ways(llm)
         assert all(guesses == 0 for seqs, guesses in steps if seqs >= 5), steps
         assert any(seqs >= 5 for seqs, _ in steps), "no step was busy enough: the test checks nothing"
 
 
-def test_without_speculative_config_m7_is_m6(tiny_model_path, workload, reference):
-    with m7.LLM(tiny_model_path, **LIMITS) as llm:
-        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+def test_without_speculative_config_m7_is_m6(small_vocab_model_path, plain_workload, plain_reference):
+    with m7.LLM(small_vocab_model_path, **LIMITS) as llm:
+        assert_same_outputs(run(m7, llm, *plain_workload), plain_reference, plain_workload[1])
         assert spec_counts(llm) == (0, 0)
 
 
-def test_every_stop_rule_inside_an_accepted_run(tiny_model_path):
+def test_every_stop_rule_inside_an_accepted_run(small_vocab_model_path):
     """Stop tokens and stop strings taken from the middle of each request's output, so they fall among guesses."""
     prompts, greedy = mixed_workload(12, seed=11, max_prompt=40, max_output=30)
+    prompts = [[3 + token % (SMALL_VOCAB - 3) for token in prompt] for prompt in prompts]  # the small vocabulary's
     greedy = [dict({k: v for k, v in s.items() if k != "structured_outputs"}, temperature=0, max_tokens=30,
                    ignore_eos=True) for s in greedy]  # a structured output ends by EOS
-    base = run(m6, m6.LLM(tiny_model_path, **LIMITS), prompts, greedy)
+    base = run(m6, m6.LLM(small_vocab_model_path, **LIMITS), prompts, greedy)
     settings = stop_rules_from(base, greedy, otherwise=lambda i, s: dict(s, max_tokens=5 + i))
-    reference_llm = m6.LLM(tiny_model_path, **LIMITS)
+    reference_llm = m6.LLM(small_vocab_model_path, **LIMITS)
     reference = run(m6, reference_llm, prompts, settings)
-    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), prompts, reference) as llm:
+    with speculating(m7.LLM(small_vocab_model_path, **LIMITS, speculative_config=NGRAM), prompts, reference) as llm:
         assert_same_outputs(run(m7, llm, prompts, settings), reference, settings)
         assert_guessed_both_ways(llm)
         # No rejected guess, and no token after a stop, reached the prefix cache: it caches what m6 does.
@@ -161,9 +185,10 @@ def test_every_stop_rule_inside_an_accepted_run(tiny_model_path):
         assert llm.engine.kv_usage()["blocks_in_use"] == 0
 
 
-def test_a_step_streams_several_tokens_of_a_request_once(tiny_model_path, workload, reference):
-    prompts, settings = workload
-    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), prompts, reference) as llm:
+def test_a_step_streams_several_tokens_of_a_request_once(small_vocab_model_path, plain_workload, plain_reference):
+    prompts, settings = plain_workload
+    with speculating(m7.LLM(small_vocab_model_path, **LIMITS, speculative_config=NGRAM), prompts,
+                     plain_reference) as llm:
         engine = llm.engine
         ids = [engine.add_request(p, m7.SamplingParams(**s)) for p, s in zip(prompts, settings)]
         streamed, seen, most_in_a_step = dict.fromkeys(ids, ""), dict.fromkeys(ids, 0), 0
@@ -178,9 +203,10 @@ def test_a_step_streams_several_tokens_of_a_request_once(tiny_model_path, worklo
         assert most_in_a_step > 1, "no step kept a guess"
 
 
-def test_metrics_count_guesses_per_request(tiny_model_path, workload, reference):
-    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), workload[0], reference) as llm:
-        outs = llm.generate(workload[0], [m7.SamplingParams(**s) for s in workload[1]], use_tqdm=False)
+def test_metrics_count_guesses_per_request(small_vocab_model_path, plain_workload, plain_reference):
+    with speculating(m7.LLM(small_vocab_model_path, **LIMITS, speculative_config=NGRAM), plain_workload[0],
+                     plain_reference) as llm:
+        outs = llm.generate(plain_workload[0], [m7.SamplingParams(**s) for s in plain_workload[1]], use_tqdm=False)
         drafted = sum(o.metrics.num_draft_tokens for o in outs)
         accepted = sum(o.metrics.num_accepted_tokens for o in outs)
         assert (drafted, accepted) == spec_counts(llm)
@@ -222,13 +248,13 @@ def test_ngram_guesses_real_text_and_m7_still_matches_m6(bundled_model_path):
     assert stats["num_accepted_tokens"] > 0
 
 
-def test_a_failed_step_with_guesses_is_undone(tiny_model_path, workload, reference):
+def test_a_failed_step_with_guesses_is_undone(small_vocab_model_path, plain_workload, plain_reference):
     """A step that checks guesses raises: its rows, its computed tokens and the blocks grown for its guesses are
     undone, and stepping on gives m6's tokens."""
-    prompts, settings = workload
+    prompts, settings = plain_workload
     # Blocks of 4 tokens: the guesses of the failing step reach into a block of their own.
-    with speculating(m7.LLM(tiny_model_path, **LIMITS, block_size=4, speculative_config=NGRAM), prompts,
-                     reference) as llm:
+    with speculating(m7.LLM(small_vocab_model_path, **LIMITS, block_size=4, speculative_config=NGRAM), prompts,
+                     plain_reference) as llm:
         engine, failed = llm.engine, []
         real_run = engine.runner.execute
 
@@ -251,4 +277,4 @@ def test_a_failed_step_with_guesses_is_undone(tiny_model_path, workload, referen
             finished.update((out.request_id, out) for out in outputs if out.finished)
             engine.check_integrity()  # no request holds blocks past its tokens after the undo
         assert failures == 1
-        assert_same_outputs(completions([finished[i] for i in ids]), reference)
+        assert_same_outputs(completions([finished[i] for i in ids]), plain_reference)
