@@ -496,6 +496,18 @@ def test_serve_benchmark_reports_every_milestone(tiny_model_path, tmp_path):
         assert row["output_tok_per_s"] > 0
 
 
+def test_serve_soak_checks_answers_statuses_and_blocks(tiny_model_path, tmp_path):
+    """A few seconds of the soak: greedy answers equal LLM.generate's, killed streams, hostile bodies answered with
+    their status, blocks back to 0."""
+    out = tmp_path / "soak.json"
+    run_script("examples/serve_soak.py", "--model", str(tiny_model_path), "--minutes", "0.1", "--clients", "3",
+               "--max-num-seqs", "4", "--out", str(out))
+    summary = json.loads(out.read_text())
+    counts = summary["counts"]
+    assert counts.get("greedy, same text", 0) > 0 and any(k.startswith("hostile ") for k in counts), counts
+    assert not any("WRONG" in k for k in counts) and summary["blocks_in_use_at_end"] == 0, summary
+
+
 def test_a_benchmark_row_can_run_in_its_own_dtype(tiny_model_path, tmp_path):
     rows = import_bench("rows")
     assert rows.MilestoneRow.parse("m1@bf16", ["m1"]).engine_options == {"dtype": "bfloat16"}
