@@ -59,6 +59,8 @@ class Limits:
     max_n: int = 128  # samples per prompt (OpenAI's limit)
     max_body_bytes: int = 4 << 20  # a request body's size: 4 MiB holds a prompt far longer than any max_model_len
     body_timeout: float = 30.0  # seconds a client may take between two parts of its body (a stalled upload, 408)
+    header_timeout: float = 30.0  # seconds from a connection's opening (or its last answer) to a whole request line
+    #                               and headers: uvicorn alone waits for them forever
 
 
 class BodyTooLarge(Exception):
@@ -122,7 +124,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
         tokenizing.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="milestones", lifespan=lifespan)
-    app.state.engine_loop = engine_loop
+    app.state.engine_loop, app.state.limits = engine_loop, limits
 
     if api_key is not None:
         app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
@@ -386,7 +388,8 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_grace
     """
     import uvicorn
 
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=shutdown_grace,
+                            http=header_deadline(app.state.limits.header_timeout))
     server = graceful_server(config)
     thread = threading.Thread(target=server.run, name="http-server", daemon=True)
     thread.start()
@@ -401,6 +404,45 @@ def running(app: FastAPI, host: str = "127.0.0.1", port: int = 0, shutdown_grace
     finally:
         server.should_exit = True
         thread.join(timeout=shutdown_grace + 60)
+
+
+def header_deadline(seconds: float) -> type:
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline for each request's line and headers: a connection that has
+    not sent them ``seconds`` after it opened, or after its last answer, gets 408 and is closed. Without it a client
+    that opens sockets and sends nothing, or a header a minute, holds them for ever."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self.deadline = self.loop.call_later(seconds, self.headers_too_slow)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers have come: its body has a timeout of its own
+                self.deadline.cancel()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request at once
+            self.deadline.cancel()
+            if not self.transport.is_closing() and self.idle():  # kept alive: the next request's headers are due
+                self.deadline = self.loop.call_later(seconds, self.headers_too_slow)
+
+        def idle(self) -> bool:
+            """No request between its headers and its answer's end (the deadline is for headers only)."""
+            return self.cycle is None or self.cycle.response_complete
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.deadline.cancel()
+            super().connection_lost(exc)
+
+        def headers_too_slow(self) -> None:
+            if not self.transport.is_closing() and self.idle():
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                self.transport.close()
+
+    return HeaderDeadline
 
 
 def graceful_server(config: Any) -> Any:
@@ -440,6 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=default.max_body_bytes, help="the largest request body")
     parser.add_argument("--body-timeout", type=float, default=default.body_timeout,
                         help="seconds a request body may stall before 408")
+    parser.add_argument("--header-timeout", type=float, default=default.header_timeout,
+                        help="seconds a connection may take to send a request's line and headers before 408")
     parser.add_argument("--api-key", default=os.environ.get("MILESTONES_API_KEY"),
                         help="the key the /v1 routes want, as 'Authorization: Bearer KEY' (default: "
                              "$MILESTONES_API_KEY)")
@@ -457,9 +501,9 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or _default_name(args.model)
     if args.api_key is None and not _is_loopback(args.host):
         logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)
-    limits = Limits(args.max_requests, args.max_n, args.max_body_bytes, args.body_timeout)
+    limits = Limits(args.max_requests, args.max_n, args.max_body_bytes, args.body_timeout, args.header_timeout)
     config = uvicorn.Config(create_app(llm, name, limits=limits, api_key=args.api_key), host=args.host, port=args.port,
-                            timeout_graceful_shutdown=args.shutdown_grace)
+                            timeout_graceful_shutdown=args.shutdown_grace, http=header_deadline(limits.header_timeout))
     graceful_server(config).run()
 
 

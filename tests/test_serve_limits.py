@@ -280,3 +280,36 @@ def test_a_stalled_body_is_a_408_and_frees_its_place(llm):
         assert answer.startswith("HTTP/1.1 408"), answer[:200]
         assert "the body stalled" in answer and added == []
         assert post(url, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"], ids=["nothing", "half"])
+def test_a_connection_that_never_finishes_its_headers_is_closed_with_a_408(llm, sent):
+    """Sockets opened and left silent, or sending half a request's headers, are held for ever by uvicorn alone (a
+    handful of clients could hold every socket): each gets 408 after header_timeout and is closed."""
+    import socket
+    from urllib.parse import urlsplit
+
+    with serving(llm, Limits(header_timeout=0.5)) as (url, _, _):
+        address = urlsplit(url)
+        with socket.create_connection((address.hostname, address.port), timeout=30) as held:
+            held.sendall(sent)
+            answer = held.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert held.recv(65536) == b"", "the connection was left open after its 408"
+        ours = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+        completion = ours.completions.create(model="tiny", prompt="hi", max_tokens=2)  # a whole request: served
+        assert completion.usage.completion_tokens == 2
+
+
+def test_the_header_deadline_never_cuts_a_request_that_takes_longer(tiny_model_path):
+    """The deadline is for a request's headers only: a request whose answer takes four times as long is answered,
+    and so is the next one on the same kept-alive connection, after a pause longer than the deadline."""
+    from milestones import m2
+
+    llm = slowed(m2.LLM(tiny_model_path, **LIMITS), seconds=0.05)
+    with serving(llm, Limits(header_timeout=0.5)) as (url, _, _), httpx.Client(timeout=60) as http:
+        body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        first = http.post(f"{url}/v1/completions", json=body)  # 40 slowed steps: 2 s or more
+        assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] == 40, first.text[:300]
+        time.sleep(1)
+        assert http.post(f"{url}/v1/completions", json=body | {"max_tokens": 2}).status_code == 200
