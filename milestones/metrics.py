@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Seconds: from a few milliseconds (a GPU's step) to a minute (a long prompt queued behind others on a CPU).
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -94,7 +94,7 @@ class ServerMetrics:
             for reason in reasons:
                 self.requests_finished.labels(self.model_name, reason).inc()
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         state = self.state
         for name, text, value in (("vllm:num_requests_running", "Requests in the running batch", state.running),
                                   ("vllm:num_requests_waiting", "Requests waiting to be scheduled", state.waiting),
@@ -103,8 +103,10 @@ class ServerMetrics:
             gauge = GaugeMetricFamily(name, text, labels=["model_name"])
             gauge.add_metric([self.model_name], value)
             yield gauge
-        for key, value in state.spec.items():  # m7: vLLM's spec_decode counters are of the same figures
-            gauge = GaugeMetricFamily(f"milestones:spec_decode_{key}", f"Speculative decoding: {key}",
-                                      labels=["model_name"])
-            gauge.add_metric([self.model_name], value)
-            yield gauge
+        for key, value in state.spec.items():  # m7: the two counts under vLLM's names, the ratios under ours
+            counted = key in ("num_draft_tokens", "num_accepted_tokens")
+            family = (CounterMetricFamily if counted else GaugeMetricFamily)(
+                f"{'vllm' if counted else 'milestones'}:spec_decode_{key}", f"Speculative decoding: {key}",
+                labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

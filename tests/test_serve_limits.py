@@ -233,7 +233,10 @@ def test_every_milestone_can_be_scraped(tiny_model_path, name):
         assert sample(samples, "vllm:generation_tokens_total") == 5
         assert sample(samples, "vllm:num_requests_running") == 0 and sample(samples, "vllm:kv_cache_usage_perc") == 0
         if name == "m7":
-            assert any(name.startswith("milestones:spec_decode_") for name in samples), sorted(samples)
+            drafted, kept = (sample(samples, f"vllm:spec_decode_num_{what}_tokens_total")
+                             for what in ("draft", "accepted"))
+            assert 0 <= kept <= drafted, (kept, drafted)
+            assert 0 <= sample(samples, "milestones:spec_decode_acceptance_rate") <= 1
 
 
 def test_a_stream_open_at_shutdown_ends_with_an_error_event_and_done_and_one_log_line(tiny_model_path, caplog):
