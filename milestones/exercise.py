@@ -361,8 +361,8 @@ def begin_exercise(milestone: str, destination: Path, hints: bool, extras: bool)
     print("\n".join(f"  {line}" for line in todo))
     for number, step in enumerate(LESSONS[milestone], 1):
         if step.optional and not extras:
-            print(f"  step {number} ({step.name}) is optional and comes filled in: `make exercise M={milestone} "
-                  "EXTRAS=1` leaves it to you too (the core steps never call it)")
+            print(f"  step {number} ({step.name}) comes filled in: `make exercise M={milestone} EXTRAS=1` leaves "
+                  "it to you too (the core steps never call it)")
     print(f"Check it with: make check M={milestone} IMPL={destination} (STEP=n for step n alone)")
     return 0
 
