@@ -151,9 +151,18 @@ class RadixTree:
         """Edges hold whole blocks, children are keyed by their first block, locks never grow downwards,
         and ``num_evictable_blocks`` equals a recount."""
         for node in self._nodes():
-            assert len(node.tokens) == len(node.blocks) * self.block_size and node.blocks
-            assert node.parent.children[node.tokens[: self.block_size]] is node
-            assert 0 <= node.lock_ref <= node.parent.lock_ref
+            assert len(node.tokens) == len(node.blocks) * self.block_size and node.blocks, (
+                f"a node holds {len(node.tokens)} tokens in {len(node.blocks)} blocks of {self.block_size}: an edge "
+                "holds whole blocks, at least one"
+            )
+            assert node.parent.children[node.tokens[: self.block_size]] is node, (
+                f"a node whose edge starts {node.tokens[: self.block_size]} is not its parent's child under that key"
+            )
+            assert 0 <= node.lock_ref <= node.parent.lock_ref, (
+                f"a node has lock_ref {node.lock_ref} under a parent with {node.parent.lock_ref}: a lock holds every "
+                "node up to the root, so a parent is locked at least as often as its child (a split keeps the lock "
+                "count on both halves)"
+            )
         blocks = self.cached_blocks()
         assert len(blocks) == len(set(blocks)), "a block appears twice in the tree"
         unlocked = sum(len(node.blocks) for node in self._nodes() if node.lock_ref == 0)
