@@ -113,6 +113,7 @@ class DeviceTime:
     profiled_wall_ms: float  # the profiled pass's own wall time per step
     top_kernels: dict[str, tuple[float, float]]  # name (cut to 100 characters) -> (launches, ms) per step, the 40
     # longest: the third run's step was 1,764 kernels of 1-5 us, so how many of each matters as much as how long
+    last_step: list[str]  # the last step's kernels in launch order, "us name": a layer's sequence, to fuse from
 
 
 @dataclass(slots=True)
@@ -265,7 +266,15 @@ def device_time(step: Callable[[], object], steps: int, wall_mean_ms: float) -> 
         by_name[event["name"][:100]] = (launches + 1 / steps, ms + event["dur"] / 1e3 / steps)
     busy = busy_time([(e["ts"], e["ts"] + e["dur"]) for e in work]) / 1e3 / steps
     return DeviceTime(busy, sum(ms for _, ms in by_name.values()), len(work) / steps, busy / wall_mean_ms,
-                      1e3 * wall / steps, dict(sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]))
+                      1e3 * wall / steps, dict(sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]),
+                      last_step(work, steps))
+
+
+def last_step(work: list[dict], steps: int) -> list[str]:
+    """The last of ``steps`` steps' device events in the order they started, each "duration us  name" (the name cut
+    to 100 characters); the steps are taken to be of equal length, as replayed ones are."""
+    events = sorted(work, key=lambda e: e["ts"])[-round(len(work) / steps):] if work and steps else []
+    return [f"{e['dur']:7.1f} us  {e['name'][:100]}" for e in events]
 
 
 def report(profile: ScenarioProfile, notes: list[str]) -> str:
@@ -303,6 +312,8 @@ def profile_row(row: Row, args: argparse.Namespace, sizes: Sizes, out: Path, don
             stem = f"{row.name.replace('@', '-')}-{scenario.name}"
             (out / f"{stem}.txt").write_text(report(result, notes))
             (out / f"{stem}.json").write_text(json.dumps(asdict(result), indent=1) + "\n")
+            if device is not None:  # a layer's kernels in order, read without the JSON's bulk
+                (out / f"{stem}-kernels.txt").write_text("\n".join(device.last_step) + "\n")
             (out / "summary.txt").write_text("\n".join([SUMMARY_HEADER, *(p.summary_line() for p in done),
                                                         *notes]) + "\n")
             (out / "summary.json").write_text(json.dumps({"notes": notes, "sizes": asdict(sizes), "scenarios": [

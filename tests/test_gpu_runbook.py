@@ -24,7 +24,7 @@ import torch
 
 from tests.checkpoints import INDEX, LLAMA_SHAPES, is_complete
 from tests.conftest import needs_compiler
-from tests.gpu_profile import ROWS, busy_time
+from tests.gpu_profile import ROWS, busy_time, last_step
 from tests.gpu_runbook import BENCH_GROUPS, TEST_GROUPS, bench_command
 from tests.gpu_sdpa import MODES, PHASES, SHAPES
 from tests.gpu_steps import NO_TESTS, Step, outcome
@@ -170,6 +170,12 @@ def test_the_profile_writes_every_scenario_of_every_row(all_run):
         # Only m6 with overlap has a forward worker thread, whose CPU time is measured apart.
         assert (found["timing"]["worker_thread_cpu"] is not None) == (row == "m6")
         assert "top 40 by own time" in (folder / f"{stem}.txt").read_text()
+
+
+def test_the_last_step_is_its_events_in_launch_order():
+    work = [{"ts": ts, "dur": 2.0, "name": name} for ts, name in [(5, "b2"), (0, "a1"), (3, "a2"), (4, "b1")]]
+    assert [line.split()[-1] for line in last_step(work, 2)] == ["b1", "b2"]
+    assert last_step([], 3) == [] and last_step(work, 1)[0] == "    2.0 us  a1"
 
 
 def test_the_device_busy_time_counts_overlapping_work_once():
