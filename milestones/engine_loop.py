@@ -153,6 +153,8 @@ class EngineLoop:
         elif kind == "cut":
             for request_id, (stream, loop) in list(self.streams.items()):
                 output = self.engine.abort_request(request_id)
+                if output is not None and self.metrics is not None:
+                    self.metrics.delivered(output)
                 tokens = 0 if output is None else sum(len(c.token_ids) for c in output.outputs)
                 logger.warning("%s cut after %d tokens: %s", request_id, tokens, args[0])
                 _call_soon(loop, stream.outputs.put_nowait, RuntimeError(args[0]))
@@ -171,7 +173,9 @@ class EngineLoop:
         except Exception as err:  # a failed forward: end every request in flight, keep serving the next ones
             logger.exception("a step failed; ending the requests in flight")
             for request_id, (stream, loop) in list(self.streams.items()):
-                self.engine.abort_request(request_id)
+                output = self.engine.abort_request(request_id)
+                if output is not None and self.metrics is not None:
+                    self.metrics.delivered(output)
                 _call_soon(loop, stream.outputs.put_nowait, RuntimeError(f"the engine failed: {err}"))
                 del self.streams[request_id]
             return

@@ -27,7 +27,7 @@ class Progress:
     """Where a request stood at its last output: for its time to first token and the time between tokens."""
 
     arrived: float
-    tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # each sample's tokens so far (n > 1: several)
     last: float = 0.0
 
 
@@ -78,21 +78,21 @@ class ServerMetrics:
         progress = self.progress.get(output.request_id)
         if progress is None:
             return
-        now, tokens = time.monotonic(), sum(len(completion.token_ids) for completion in output.outputs)
-        gained = tokens - progress.tokens
-        if gained > 0:
-            if progress.tokens == 0:
+        now, tokens = time.monotonic(), [len(completion.token_ids) for completion in output.outputs]
+        before = progress.tokens + [0] * (len(tokens) - len(progress.tokens))
+        gained = [count - old for count, old in zip(tokens, before)]
+        if max(gained, default=0) > 0:
+            if not any(before):
                 self.ttft.labels(self.model_name).observe(now - progress.arrived)
                 self.prompt_tokens.labels(self.model_name).inc(len(output.prompt_token_ids))
-            else:
-                self.itl.labels(self.model_name).observe((now - progress.last) / gained)
-            self.generation_tokens.labels(self.model_name).inc(gained)
+            else:  # per token of a sample: a step that kept m7's guesses gave one sample several
+                self.itl.labels(self.model_name).observe((now - progress.last) / max(gained))
+            self.generation_tokens.labels(self.model_name).inc(sum(gained))
             progress.tokens, progress.last = tokens, now
         if output.finished:
             del self.progress[output.request_id]
-            reasons = {completion.finish_reason or "abort" for completion in output.outputs}
-            for reason in reasons:
-                self.requests_finished.labels(self.model_name, reason).inc()
+            for completion in output.outputs:  # one count per sample, as vLLM counts each of n's requests
+                self.requests_finished.labels(self.model_name, completion.finish_reason or "abort").inc()
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         state = self.state

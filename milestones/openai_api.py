@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -50,7 +50,7 @@ class ModelNotFound(BadRequest):
 class Job:
     """One parsed request: what to generate and how to answer."""
 
-    prompts: list[str | list[int] | Callable[[Any], list[int]]]  # one choice each; a chat's templated by a tokenizer
+    prompts: list[str | list[int] | ChatPrompt]  # one choice each; a chat's templated later, by a tokenizer
     params: Any  # the milestone's SamplingParams
     stream: bool
     include_usage: bool
@@ -255,22 +255,31 @@ def usage_chunk(answers: list[Answer]) -> dict | None:
     return {**first._envelope(kind, None), "usage": usage(answers)}
 
 
-def chat_prompt(messages: object) -> Callable[[Any], list[int]]:
-    """The conversation through the model's chat template, as token ids ready for the assistant's answer.
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A conversation whose shape is checked; called with a tokenizer, it runs the model's chat template and gives
+    the token ids ready for the assistant's answer (later, on a thread of the server's that tokenizes; the
+    template's errors are still a 400)."""
 
-    The shape is checked now; the template and the tokenizer run later, given a tokenizer, on a thread of the
-    server's that tokenizes (its errors are still a 400).
-    """
-    messages = [{"role": m["role"], "content": text_content(m, i)} for i, m in enumerate(_message_list(messages))]
+    messages: list[dict]
 
-    def token_ids(tokenizer: Any) -> list[int]:
+    @property
+    def chars(self) -> int:
+        """The characters of its messages: the template adds a few per turn, never removes any."""
+        return sum(len(m["content"]) for m in self.messages)
+
+    def __call__(self, tokenizer: Any) -> list[int]:
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # the template's own checks (roles that must alternate, ...)
             raise BadRequest(f"the chat template refused the conversation: {err}") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
-    return token_ids
+
+def chat_prompt(messages: object) -> ChatPrompt:
+    """The conversation's messages checked and turned into text turns (see ChatPrompt)."""
+    return ChatPrompt([{"role": m["role"], "content": text_content(m, i)}
+                       for i, m in enumerate(_message_list(messages))])
 
 
 def _message_list(messages: object) -> list[dict]:

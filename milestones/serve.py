@@ -45,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from milestones import MILESTONES
 from milestones.engine_loop import EngineLoop, Prompt, ServerBusy, Stream
 from milestones.metrics import ServerMetrics, snapshot
-from milestones.openai_api import Answer, BadRequest, ModelNotFound, parse_request, usage_chunk, whole
+from milestones.openai_api import Answer, BadRequest, ChatPrompt, ModelNotFound, parse_request, usage_chunk, whole
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 1  # a 503's Retry-After: a busy server frees places as requests finish, within seconds
@@ -59,6 +59,8 @@ class Limits:
     max_n: int = 128  # samples per prompt (OpenAI's limit)
     max_body_bytes: int = 4 << 20  # a request body's size: 4 MiB holds a prompt far longer than any max_model_len
     body_timeout: float = 30.0  # seconds a client may take between two parts of its body (a stalled upload, 408)
+    body_seconds: float = 120.0  # seconds a whole body may take, however it trickles (408)
+    max_stop: int = 16  # stop strings a request may give (each one is searched for at every token of every sample)
     header_timeout: float = 30.0  # seconds from a connection's opening (or its last answer) to a whole request line
     #                               and headers: uvicorn alone waits for them forever
 
@@ -78,8 +80,9 @@ class Tokenizing:
 
     WORKERS = 4
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, max_waiting: int) -> None:
         self.source, self.engine = llm.tokenizer, llm.engine
+        self.max_waiting, self.waiting = max_waiting, 0  # prompts queued or being tokenized: bounded, like the engine
         self.tokenize_prompt = importlib.import_module(f"{type(llm).__module__.rsplit('.', 1)[0]}.prompts"
                                                        ).tokenize_prompt  # the milestone's own rules and messages
         self.pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="tokenize")
@@ -88,20 +91,28 @@ class Tokenizing:
         # times max_model_len has more tokens than max_model_len: refused without tokenizing it.
         self.max_chars = max(map(len, llm.tokenizer.get_vocab())) * self.engine.config.max_model_len
 
-    async def __call__(self, prompt: str | list[int] | Callable[[Any], list[int]]) -> Prompt:
-        if isinstance(prompt, list):
-            return prompt  # token ids: the engine checks them
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._token_ids, prompt)
+    async def __call__(self, prompt: str | list[int] | ChatPrompt) -> Prompt:
+        limit = self.engine.config.max_model_len
+        if isinstance(prompt, list) and len(prompt) >= limit:  # checked here, not id by id on the engine's thread
+            raise BadRequest(f"prompt has {len(prompt)} tokens but max_model_len is {limit}: shorten the prompt (it "
+                             "must leave room for one generated token)")
+        size = prompt.chars if isinstance(prompt, ChatPrompt) else len(prompt)
+        if not isinstance(prompt, list) and size > self.max_chars:
+            raise BadRequest(f"the prompt is {size:,} characters, more than any {limit} tokens (max_model_len) can "
+                             "hold: shorten it")
+        if self.waiting >= self.max_waiting:
+            raise ServerBusy(f"{self.waiting} prompts are waiting to be tokenized: retry later")
+        self.waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._token_ids, prompt)
+        finally:
+            self.waiting -= 1
 
-    def _token_ids(self, prompt: str | Callable[[Any], list[int]]) -> list[int]:
+    def _token_ids(self, prompt: str | list[int] | ChatPrompt) -> list[int]:
         if not hasattr(self.local, "tokenizer"):
             self.local.tokenizer = copy.deepcopy(self.source)
-        if callable(prompt):
+        if isinstance(prompt, ChatPrompt):
             return prompt(self.local.tokenizer)
-        if len(prompt) > self.max_chars:
-            limit = self.engine.config.max_model_len
-            raise BadRequest(f"the prompt is {len(prompt):,} characters, more than any {limit} tokens (max_model_len) "
-                             "can hold: shorten it")
         return self.tokenize_prompt(self.local.tokenizer, prompt, self.engine.model_config.vocab_size)
 
 
@@ -113,7 +124,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
     limits = limits or Limits(max_requests)
     sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
     metrics = ServerMetrics(model_name)
-    engine_loop, tokenizing = EngineLoop(llm, limits.max_requests, metrics), Tokenizing(llm)
+    engine_loop, tokenizing = EngineLoop(llm, limits.max_requests, metrics), Tokenizing(llm, limits.max_requests)
     token_texts = llm.tokenizer.batch_decode([[token] for token in range(len(llm.tokenizer))])  # for log-probabilities
 
     @asynccontextmanager
@@ -138,7 +149,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
 
         try:
             job = parse_request(await read_json(request, limits), chat, model_name, sampling_params)
-            check_cost(len(job.prompts), job.params.n, limits)
+            check_cost(len(job.prompts), job.params, limits)
             for prompt in job.prompts:
                 streams.append(await engine_loop.submit(await tokenizing(prompt), job.params))
         except Exception as err:
@@ -276,13 +287,17 @@ async def read_json(request: Request, limits: Limits) -> object:
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the body is {int(declared):,} bytes; this server takes at most {max_bytes:,}")
     chunks, size, parts = [], 0, request.stream()
+    deadline = time.monotonic() + limits.body_seconds
     while True:
+        left = deadline - time.monotonic()
         try:
-            chunk = await asyncio.wait_for(anext(parts), limits.body_timeout)
+            chunk = await asyncio.wait_for(anext(parts), min(limits.body_timeout, max(left, 0)))
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
-            raise BodyTimeout(f"the body stalled: nothing came for {limits.body_timeout:g} s") from None
+            why = (f"nothing came for {limits.body_timeout:g} s" if left > limits.body_timeout
+                   else f"it took longer than {limits.body_seconds:g} s in all")
+            raise BodyTimeout(f"the body stalled: {why}") from None
         size += len(chunk)
         if size > max_bytes:
             raise BodyTooLarge(f"the body is over {max_bytes:,} bytes, the most this server takes")
@@ -299,9 +314,12 @@ async def read_json(request: Request, limits: Limits) -> object:
     return body
 
 
-def check_cost(prompts: int, n: int, limits: Limits) -> None:
+def check_cost(prompts: int, params: Any, limits: Limits) -> None:
     """A request that asks more than any request may, or more than the server can ever run at once: 400 at once,
     rather than 503 after part of it has run."""
+    n = params.n
+    if len(params.stop) > limits.max_stop:
+        raise BadRequest(f"stop has {len(params.stop)} strings; this server takes at most {limits.max_stop}")
     if n > limits.max_n:
         raise BadRequest(f"n is {n}; this server gives at most {limits.max_n} samples of a prompt")
     if prompts * n > limits.max_requests:
@@ -313,10 +331,10 @@ def refusal(err: Exception) -> JSONResponse:
     """The answer to a request the server could not take, by the reason."""
     if isinstance(err, json.JSONDecodeError):
         return error(400, f"the body is not valid JSON: {err}")
-    if isinstance(err, BodyTooLarge):
-        return error(413, str(err))
-    if isinstance(err, BodyTimeout):
-        return error(408, str(err))
+    if isinstance(err, (BodyTooLarge, BodyTimeout)):  # the rest of the body is not read: the connection ends here
+        response = error(413 if isinstance(err, BodyTooLarge) else 408, str(err))
+        response.headers["Connection"] = "close"
+        return response
     if isinstance(err, ModelNotFound):
         return error(404, str(err), "model_not_found")
     if isinstance(err, ValueError):  # BadRequest, or the engine refusing the request (too long, bad tokens, ...)
@@ -367,6 +385,7 @@ class RequireKey:
                 refused = error(401, "this server wants an API key: send the header 'Authorization: Bearer <key>' "
                                      "with the key it was started with (--api-key or MILESTONES_API_KEY)",
                                 "invalid_api_key")
+                refused.headers["WWW-Authenticate"] = "Bearer"
                 await refused(scope, receive, send)
                 return
         await self.app(scope, receive, send)

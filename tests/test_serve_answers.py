@@ -34,6 +34,7 @@ PROBES: dict[str, tuple[str, str, object]] = {
     "`n` above `--max-n` (8 here)": ("POST", COMPLETIONS, {"prompt": "hi", "n": 100_000}),
     "3 prompts x `n` = 2 above `--max-requests` (4 here)": ("POST", COMPLETIONS, {"prompt": ["a", "b", "c"], "n": 2}),
     "a body over `--max-body-bytes` (10,000 here)": ("POST", COMPLETIONS, {"prompt": "x" * 20_000}),
+    "more than 16 stop strings": ("POST", COMPLETIONS, {"prompt": "hi", "stop": [str(i) for i in range(20)]}),
     "`temperature: -1`": ("POST", COMPLETIONS, {"prompt": "hi", "temperature": -1}),
     "`top_p: 2`": ("POST", COMPLETIONS, {"prompt": "hi", "top_p": 2}),
     "`max_tokens: 0`": ("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}),
