@@ -51,6 +51,7 @@ class EngineLoop:
         self.num_in_flight = 0  # sequences accepted and not yet released (n each); counted on the event loop's side
         self._ids = itertools.count()
         self._stopping = threading.Event()
+        self._closed, self._closing = False, threading.Lock()  # no add or call queued once the last drain began
         self.thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -69,8 +70,8 @@ class EngineLoop:
                              f"{weight} (--max-requests {self.max_requests}): retry later")
         loop = asyncio.get_running_loop()
         stream, accepted = Stream(f"req-{next(self._ids)}", weight), loop.create_future()
+        self._queue(("add", stream, loop, accepted, prompt, params))
         self.num_in_flight += weight
-        self.commands.put(("add", stream, loop, accepted, prompt, params))
         try:
             await accepted  # the engine's add_request has validated the request
         except BaseException:
@@ -84,8 +85,16 @@ class EngineLoop:
             raise ServerBusy("the engine loop has stopped")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self.commands.put(("call", loop, done, function))
+        self._queue(("call", loop, done, function))
         return await done
+
+    def _queue(self, command: tuple) -> None:
+        """Queue a command that waits for an answer, unless the loop has drained its queue for the last time (then
+        nothing would ever answer it)."""
+        with self._closing:
+            if self._closed:
+                raise ServerBusy("the engine loop has stopped: this server cannot take requests")
+            self.commands.put(command)
 
     def release(self, stream: Stream) -> None:
         """The client is done with the request, at its end or because it went away (then it is aborted). Idempotent."""
@@ -203,6 +212,8 @@ class EngineLoop:
                     continue
             _call_soon(loop, stream.outputs.put_nowait, error or RuntimeError("the server is shutting down"))
         self.streams.clear()
+        with self._closing:
+            self._closed = True
         while True:
             try:
                 kind, *args = self.commands.get_nowait()
