@@ -17,6 +17,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +61,9 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self.thread.is_alive()
 
-    async def submit(self, prompt: Prompt, params: Any) -> Stream:
-        """Queue a request; raises ValueError (bad input, with the engine's message) or ServerBusy."""
+    async def submit(self, prompt: Prompt, params: Any, arrived: float | None = None) -> Stream:
+        """Queue a request; raises ValueError (bad input, with the engine's message) or ServerBusy. ``arrived``: when
+        its HTTP request came (time.monotonic()), for its time to first token; default now."""
         if not self.is_alive():
             raise ServerBusy("the engine loop has stopped: this server cannot take requests")
         weight = getattr(params, "n", 1)
@@ -70,7 +72,7 @@ class EngineLoop:
                              f"{weight} (--max-requests {self.max_requests}): retry later")
         loop = asyncio.get_running_loop()
         stream, accepted = Stream(f"req-{next(self._ids)}", weight), loop.create_future()
-        self._queue(("add", stream, loop, accepted, prompt, params))
+        self._queue(("add", stream, loop, accepted, prompt, params, time.monotonic() if arrived is None else arrived))
         self.num_in_flight += weight
         try:
             await accepted  # the engine's add_request has validated the request
@@ -145,7 +147,7 @@ class EngineLoop:
     def _apply(self, command: tuple) -> None:
         kind, *args = command
         if kind == "add":
-            stream, loop, accepted, prompt, params = args
+            stream, loop, accepted, prompt, params, arrived = args
             try:
                 self.engine.add_request(prompt, params, request_id=stream.request_id)
             except Exception as err:  # ValueError: bad input, refused before anything was queued
@@ -153,7 +155,7 @@ class EngineLoop:
                 return
             self.streams[stream.request_id] = (stream, loop)
             if self.metrics is not None:
-                self.metrics.added(stream.request_id)
+                self.metrics.added(stream.request_id, arrived)
             _call_soon(loop, _settle, accepted, None)
         elif kind == "abort":
             output = self.engine.abort_request(args[0])

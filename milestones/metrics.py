@@ -70,8 +70,10 @@ class ServerMetrics:
         self.registry.register(self)  # the gauges, read at scrape time (``collect``)
         self.progress: dict[str, Progress] = {}
 
-    def added(self, request_id: str) -> None:
-        self.progress[request_id] = Progress(time.monotonic())
+    def added(self, request_id: str, arrived: float) -> None:
+        """A request the engine took, which came in at ``arrived`` (time.monotonic(): its HTTP request's arrival, so
+        that its time to first token counts its tokenizing and its wait for the engine's thread, as vLLM's does)."""
+        self.progress[request_id] = Progress(arrived)
 
     def delivered(self, output: Any) -> None:
         """An output of a request: the tokens it gained since the last, and when."""

@@ -141,6 +141,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
         app.add_middleware(RequireKey, expected=f"Bearer {api_key}".encode())
 
     async def serve(request: Request, chat: bool) -> Response:
+        arrived = time.monotonic()  # the time to first token counts from here (/metrics)
         streams: list[Stream] = []  # one engine request per prompt (a batched completion has several)
 
         def release() -> None:
@@ -151,7 +152,7 @@ def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limit
             job = parse_request(await read_json(request, limits), chat, model_name, sampling_params)
             check_cost(len(job.prompts), job.params, limits)
             for prompt in job.prompts:
-                streams.append(await engine_loop.submit(await tokenizing(prompt), job.params))
+                streams.append(await engine_loop.submit(await tokenizing(prompt), job.params, arrived))
         except Exception as err:
             release()  # the prompts of a batch taken before one was refused
             return refusal(err)
