@@ -33,7 +33,7 @@ from pathlib import Path
 import _common  # noqa: F401  (first: makes `milestones` importable from a plain checkout)
 import httpx
 
-from milestones.serve import create_app, running
+from milestones.serve import Limits, create_app, running
 
 SYSTEM = ("You are a patient teacher. Answer in plain words, in two or three sentences, and give one example "
           "from everyday life. Never use jargon without explaining it first.")
@@ -126,7 +126,7 @@ def summarise(milestone: str, timings: list[Timing], start: float) -> dict:
 def run_one(milestone: str, args, arrivals: list[Arrival]) -> dict:
     mod = importlib.import_module(f"milestones.{milestone}")
     llm = mod.LLM(args.model, device=args.device)
-    with running(create_app(llm, "bench", max_requests=10_000)) as url:
+    with running(create_app(llm, "bench", Limits(max_requests=10_000))) as url:
         timings, start = asyncio.run(drive(url, arrivals))
     return summarise(milestone, timings, start)
 

@@ -162,14 +162,7 @@ class EngineLoop:
             if output is not None:
                 self._deliver(output)
         elif kind == "cut":
-            for request_id, (stream, loop) in list(self.streams.items()):
-                output = self.engine.abort_request(request_id)
-                if output is not None and self.metrics is not None:
-                    self.metrics.delivered(output)
-                tokens = 0 if output is None else sum(len(c.token_ids) for c in output.outputs)
-                logger.warning("%s cut after %d tokens: %s", request_id, tokens, args[0])
-                _call_soon(loop, stream.outputs.put_nowait, RuntimeError(args[0]))
-                del self.streams[request_id]
+            self._end_streams(RuntimeError(args[0]), log=True)
         elif kind == "call":
             loop, done, function = args
             try:
@@ -183,15 +176,23 @@ class EngineLoop:
             outputs = self.engine.step()
         except Exception as err:  # a failed forward: end every request in flight, keep serving the next ones
             logger.exception("a step failed; ending the requests in flight")
-            for request_id, (stream, loop) in list(self.streams.items()):
-                output = self.engine.abort_request(request_id)
-                if output is not None and self.metrics is not None:
-                    self.metrics.delivered(output)
-                _call_soon(loop, stream.outputs.put_nowait, RuntimeError(f"the engine failed: {err}"))
-                del self.streams[request_id]
+            self._end_streams(RuntimeError(f"the engine failed: {err}"), log=False)
             return
         for output in outputs:
             self._deliver(output)
+
+    def _end_streams(self, error: RuntimeError, log: bool) -> None:
+        """Abort every open request and end its stream with ``error`` (its tokens still counted in the metrics);
+        with ``log``, a line per request."""
+        for request_id, (stream, loop) in list(self.streams.items()):
+            output = self.engine.abort_request(request_id)
+            if output is not None and self.metrics is not None:
+                self.metrics.delivered(output)
+            if log:
+                tokens = 0 if output is None else sum(len(c.token_ids) for c in output.outputs)
+                logger.warning("%s cut after %d tokens: %s", request_id, tokens, error)
+            _call_soon(loop, stream.outputs.put_nowait, error)
+        self.streams.clear()
 
     def _deliver(self, output: Any) -> None:
         if self.metrics is not None:

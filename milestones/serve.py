@@ -5,10 +5,10 @@
 
 Routes: ``POST /v1/completions`` (a prompt, or a batch of prompts: a choice each),
 ``POST /v1/chat/completions`` (streamed as server-sent events with ``"stream": true``),
-``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus); errors in OpenAI's shape on
-every route. Every client's
-requests go to one engine, stepped on its own thread (``EngineLoop``), so requests from
-many clients are batched together: m1 serves them one at a time, m2 onwards together.
+``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health``, ``GET /metrics`` (Prometheus);
+errors in OpenAI's shape on every route. Every client's requests go to one engine, stepped on
+its own thread (``EngineLoop``), so requests from many clients are batched together: m1
+serves them one at a time, m2 onwards together.
 
 Bad input gets a 400 with the engine's own message and never reaches a step; a server
 with ``--max-requests`` sequences in flight answers 503 with ``Retry-After`` (a request's
@@ -93,11 +93,11 @@ class Tokenizing:
 
     async def __call__(self, prompt: str | list[int] | ChatPrompt) -> Prompt:
         limit = self.engine.config.max_model_len
-        if isinstance(prompt, list) and len(prompt) >= limit:  # checked here, not id by id on the engine's thread
-            raise BadRequest(f"prompt has {len(prompt)} tokens but max_model_len is {limit}: shorten the prompt (it "
-                             "must leave room for one generated token)")
-        size = prompt.chars if isinstance(prompt, ChatPrompt) else len(prompt)
-        if not isinstance(prompt, list) and size > self.max_chars:
+        if isinstance(prompt, list):
+            if len(prompt) >= limit:  # checked here, not id by id on the engine's thread
+                raise BadRequest(f"prompt has {len(prompt)} tokens but max_model_len is {limit}: shorten the prompt "
+                                 "(it must leave room for one generated token)")
+        elif (size := prompt.chars if isinstance(prompt, ChatPrompt) else len(prompt)) > self.max_chars:
             raise BadRequest(f"the prompt is {size:,} characters, more than any {limit} tokens (max_model_len) can "
                              "hold: shorten it")
         if self.waiting >= self.max_waiting:
@@ -116,12 +116,10 @@ class Tokenizing:
         return self.tokenize_prompt(self.local.tokenizer, prompt, self.engine.model_config.vocab_size)
 
 
-def create_app(llm: Any, model_name: str, max_requests: int = 256, limits: Limits | None = None,
-               api_key: str | None = None) -> FastAPI:
+def create_app(llm: Any, model_name: str, limits: Limits = Limits(), api_key: str | None = None) -> FastAPI:
     """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops.
-    ``limits`` (default: ``Limits(max_requests)``) bounds each request; with ``api_key``, the ``/v1`` routes answer
-    401 to a caller whose ``Authorization: Bearer`` header does not carry it."""
-    limits = limits or Limits(max_requests)
+    ``limits`` bounds each request; with ``api_key``, the ``/v1`` routes answer 401 to a caller whose
+    ``Authorization: Bearer`` header does not carry it."""
     sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
     metrics = ServerMetrics(model_name)
     engine_loop, tokenizing = EngineLoop(llm, limits.max_requests, metrics), Tokenizing(llm, limits.max_requests)
@@ -486,9 +484,7 @@ def graceful_server(config: Any) -> Any:
     return Graceful(config)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+def command_line() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m milestones.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--milestone", choices=MILESTONES, default="m4")
     parser.add_argument("--model", help="a checkpoint folder or hub id (default: the bundled SmolLM2-135M-Instruct)")
@@ -513,7 +509,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="an EngineConfig option, e.g. max_num_seqs=16 (repeatable; values are JSON or text)")
     parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                         help='m7: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM\'s flag)')
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = command_line().parse_args(argv)
     options = dict(_engine_option(text) for text in args.engine_option)
     if args.speculative_config is not None:
         options["speculative_config"] = args.speculative_config
@@ -521,10 +523,16 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or _default_name(args.model)
     if args.api_key is None and not _is_loopback(args.host):
         logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)
-    limits = Limits(args.max_requests, args.max_n, args.max_body_bytes, args.body_timeout, args.header_timeout)
+    limits = limits_from(args)
     config = uvicorn.Config(create_app(llm, name, limits=limits, api_key=args.api_key), host=args.host, port=args.port,
                             timeout_graceful_shutdown=args.shutdown_grace, http=header_deadline(limits.header_timeout))
     graceful_server(config).run()
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    """The command line's limits (the others keep Limits' defaults)."""
+    return Limits(max_requests=args.max_requests, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+                  body_timeout=args.body_timeout, header_timeout=args.header_timeout)
 
 
 def _is_loopback(host: str) -> bool:

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from milestones.serve import create_app, running
+from milestones.serve import Limits, create_app, running
 
 SERVED = ["m1", "m2", "m4", "m6", "m7"]  # one at a time, batched, paged with a prefix cache, overlapped, guessing
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}  # m7's option
@@ -28,7 +28,7 @@ LIMITS = dict(device="cpu", max_model_len=256)
 @contextlib.contextmanager
 def serving(llm, max_requests: int = 64):
     """Run the app on a free port of 127.0.0.1 in a thread; yield its base URL and the app."""
-    app = create_app(llm, "tiny", max_requests)
+    app = create_app(llm, "tiny", Limits(max_requests=max_requests))
     with running(app) as url:
         yield url, app
     assert not app.state.engine_loop.is_alive(), "the engine loop did not stop with the server"

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from milestones.serve import Limits, _is_loopback, create_app, running
+from milestones.serve import Limits, _is_loopback, command_line, create_app, limits_from, running
 from tests.test_serve import LIMITS, PROMPTS, SERVED, SPECULATIVE, slowed, wait_until
 
 
@@ -356,3 +356,14 @@ def test_the_header_deadline_never_cuts_a_request_that_takes_longer(tiny_model_p
         assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] == 40, first.text[:300]
         time.sleep(1)
         assert http.post(f"{url}/v1/completions", json=body | {"max_tokens": 2}).status_code == 200
+
+
+def test_the_command_lines_limits_reach_the_server_each_to_its_own_field(monkeypatch):
+    monkeypatch.delenv("MILESTONES_API_KEY", raising=False)
+    args = command_line().parse_args(["--max-requests", "8", "--max-n", "3", "--max-body-bytes", "1000",
+                                      "--body-timeout", "2", "--header-timeout", "5"])
+    assert limits_from(args) == Limits(max_requests=8, max_n=3, max_body_bytes=1000, body_timeout=2,
+                                       header_timeout=5), limits_from(args)
+    assert args.api_key is None
+    monkeypatch.setenv("MILESTONES_API_KEY", "from-the-environment")
+    assert command_line().parse_args([]).api_key == "from-the-environment"
