@@ -8,7 +8,7 @@ Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by 
 the plumbing every milestone uses alike (``options``, ``transfer``, ``trace``, ``model_store``).
 """
 
-MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6", "m7"]
+MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
@@ -29,4 +29,7 @@ CHANGED_FILES: dict[str, set[str]] = {
     # speculative decoding: a proposer, guesses checked as a chunk with a sample row each, rejected ones rolled back
     "m7": {"__init__.py", "config.py", "engine.py", "scheduler.py", "sequence.py", "model_runner.py", "step.py",
            "sampler.py", "block_manager.py", "proposer.py", "drafter.py", "rollback.py", "speculation.py"},
+    # tensor parallelism: ranks with a shard of every layer, two all-reduces a layer, worker processes, rank 0 samples
+    "m8": {"__init__.py", "config.py", "distributed.py", "engine.py", "executor.py", "model.py", "model_runner.py",
+           "step.py"},
 }

@@ -1,0 +1,194 @@
+"""Engine options (vLLM's names), checked and resolved once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from milestones import options
+from milestones.kernels import check_attention_backend, check_linear_backend
+
+from .distributed import launched_by_torchrun
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    device: str | torch.device | None = None  # None: CUDA if present, else CPU
+    dtype: str | torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
+    seed: int = 0  # seeds the requests that bring no seed of their own
+    linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
+    attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
+    #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
+    max_num_seqs: int = 16  # requests running at once
+    max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
+    enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
+    enforce_eager: bool = False  # True: never capture, every step runs eagerly as in m4
+    cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: default_capture_sizes
+    async_scheduling: bool | str = "auto"  # overlap: schedule the next step while this one computes; "auto": on CUDA
+    trace_file: str | None = None  # write a Chrome trace (schedule / forward / process per step) here on close
+    # {"method": "ngram", "num_speculative_tokens": k, ...}: guess k tokens a step and check them at once; None: m6
+    speculative_config: dict | SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1  # m8: ranks that each hold a shard of the model; more than 1 starts worker processes
+
+    def resolve(self, model_max_len: int) -> EngineConfig:
+        """Fill in the defaults that depend on the machine and the model; reject nonsense."""
+        device = _resolve_device(self.device)
+        dtype = self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"dtype {dtype!r} is not a torch dtype; use 'float32', 'bfloat16' or 'float16'")
+            dtype = getattr(torch, dtype)
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
+        if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {model_max_len}] for this model, got {max_len!r}"
+            )
+        options.check(self, OPTIONS)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}) so every running "
+                f"request can decode each step, got {self.max_num_batched_tokens!r}"
+            )
+        if self.block_size > max_len:
+            raise ValueError(f"block_size ({self.block_size}) is larger than max_model_len ({max_len}): no request "
+                             "could ever fill a block; use a smaller block_size (16 is the default)")
+        check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
+        check_attention_backend(self.attention_backend, device, dtype)  # another one
+        speculative = self.speculative_config
+        if speculative is not None:
+            speculative = SpeculativeConfig.from_dict(speculative)
+        # m7: a checking step is replayed as a decode step with a row per token, 1 + k rows a request
+        rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            sizes = default_capture_sizes(device, self.max_num_seqs, rows_per_seq)
+        elif not isinstance(sizes, (list, tuple)) or not sizes or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs * rows_per_seq
+            for s in sizes
+        ):
+            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of row counts in [1, max_num_seqs * "
+                             f"(1 + num_speculative_tokens) = {self.max_num_seqs * rows_per_seq}], got {sizes!r}")
+        # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
+        # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
+        overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
+        if speculative is not None and overlap:
+            if self.async_scheduling is True:
+                raise ValueError("async_scheduling=True cannot overlap speculative steps: the proposer needs each "
+                                 "request's latest token on the host; pass async_scheduling=False or 'auto'")
+            overlap = False  # every step waits for the one before it, whose tokens the proposer reads
+        # m8: gloo's collectives cannot be compiled into a CPU "graph" (torch.compile): several ranks run eagerly
+        ranks = self.tensor_parallel_size > 1 or launched_by_torchrun()
+        eager = self.enforce_eager or (ranks and device.type == "cpu")
+        return replace(self, device=device, dtype=dtype, max_model_len=max_len,
+                       cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap,
+                       speculative_config=speculative, enforce_eager=eager)
+
+
+# --8<-- [start:speculative_config]
+@dataclass(slots=True, frozen=True)
+class SpeculativeConfig:
+    """How a request's next tokens are guessed, and how many a step (vLLM's names)."""
+
+    method: str  # "ngram": prompt lookup over the request's own tokens; "draft_model": a smaller model's picks
+    num_speculative_tokens: int  # k: the most tokens guessed for a request in a step, all checked in one forward
+    prompt_lookup_min: int = 2  # ngram: the shortest run of latest tokens looked up
+    prompt_lookup_max: int = 4  # ngram: the longest, tried first
+    model: str | None = None  # draft_model: the draft (a name or folder, as LLM's model), with the target's tokenizer
+    acceptance: str = "exact"  # "exact": a guess counts if it is the pick m6 makes (m6's tokens); "rejection": the
+    # standard rule, kept with probability p(guess): the same distribution as m6, other tokens when sampling
+    disable_by_batch_size: int | None = None  # a step of at least this many requests guesses nothing (None: any
+    # step guesses): in a busy step every row is real arithmetic, and a wrong guess wastes nearly a token's cost
+
+    @classmethod
+    def from_dict(cls, given: dict | SpeculativeConfig) -> SpeculativeConfig:
+        """Checked through its options table, then the checks that relate two of its options."""
+        config = options.nested(cls, given, SPECULATIVE_OPTIONS, "speculative_config")
+        if (config.method == "draft_model") != (config.model is not None):
+            raise ValueError("speculative_config: 'model' names the draft, and only method 'draft_model' has one, "
+                             f"which it needs; got method {config.method!r} with model {config.model!r}")
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
+                             f"prompt_lookup_max ({config.prompt_lookup_max})")
+        return config
+
+
+SPECULATIVE_OPTIONS = {
+    "method": options.one_of("ngram", "draft_model"),
+    "num_speculative_tokens": options.POSITIVE,
+    "prompt_lookup_min": options.POSITIVE,
+    "prompt_lookup_max": options.POSITIVE,
+    "model": options.PATH_OR_NONE,
+    "acceptance": options.one_of("exact", "rejection"),
+    "disable_by_batch_size": options.POSITIVE_OR_NONE,
+}
+# --8<-- [end:speculative_config]
+
+
+# --8<-- [start:options]
+OPTIONS = {  # what each option's value must be, checked by resolve: a line per option
+    "seed": options.INTEGER,
+    "max_num_seqs": options.POSITIVE,
+    "max_num_batched_tokens": options.POSITIVE,  # and at least max_num_seqs
+    "block_size": options.POSITIVE,
+    "num_kv_blocks": options.POSITIVE_OR_NONE,  # None: as many as kv_cache_memory_bytes holds
+    "kv_cache_memory_bytes": options.POSITIVE_OR_NONE,
+    "enable_prefix_caching": options.FLAG,
+    "scheduling_policy": options.one_of("fcfs", "lpm"),
+    "enforce_eager": options.FLAG,
+    "async_scheduling": options.FLAG_OR_AUTO,  # "auto": True on CUDA, False on a CPU (see resolve)
+    "trace_file": options.PATH_OR_NONE,
+    "speculative_config": options.Kind(lambda v: v is None or isinstance(v, (dict, SpeculativeConfig)),
+                                       "a dict such as {'method': 'ngram', 'num_speculative_tokens': 3}, or None"),
+    "tensor_parallel_size": options.POSITIVE,  # and one the model's heads and MLP width split into (distributed.py)
+}
+# --8<-- [end:options]
+
+
+# --8<-- [start:default_capture_sizes]
+def default_capture_sizes(device: torch.device, max_num_seqs: int, rows_per_seq: int = 1) -> list[int]:
+    """The decode batch sizes captured when none are given, capped at ``max_num_seqs`` (m7: rows, see below).
+
+    On CUDA, as nano-vllm does: 1, 2, 4, 8, then every 16. On a CPU each size is a torch.compile
+    of the whole model, about a minute on two cores and still several seconds from inductor's
+    cache (dynamo traces the model again), so only two: 1, the interactive case, and 4, which
+    batches of 2 and 3 pad up to. A CPU step streams every weight once whatever the batch, so a
+    few padding rows cost little.
+
+    m7: a size counts rows, and a checking step has ``rows_per_seq`` (1 + k) of them a request. On
+    CUDA the sizes go up to ``max_num_seqs`` such requests; a CPU adds one size, one request's
+    checking step (batch 1, the case where speculation pays most).
+    """
+    if device.type == "cuda":
+        base, largest = [1, 2, 4, 8, *range(16, 513, 16)], max_num_seqs * rows_per_seq
+    else:
+        base, largest = [1, rows_per_seq], min(max_num_seqs, 4)
+    return sorted({size for size in base if size < largest or size == rows_per_seq} | {largest})
+# --8<-- [end:default_capture_sizes]
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """The CPU or a CUDA GPU that is really there; anything else is refused now rather than failing later."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device

@@ -1,0 +1,294 @@
+"""Own the model and its KV pool; turn a scheduled batch into tensors, run it, sample.
+
+As in m4, every scheduled token of every request goes into one flat batch, and each
+request reaches its keys and values through its block table. What m5 adds: a step in
+which every request decodes one token, and whose batch fits a captured size, is not
+run operator by operator but replayed by the ``GraphRunner``; every other step (a
+prefill chunk in it, more requests than the largest capture, ``enforce_eager``)
+runs eagerly, exactly as in m4.
+
+m6: the host ``prepare``s a step as plain lists (the host changes the sequences while
+it runs) and the forward worker ``execute``s it: tensors, future ids resolved, forward,
+sampling, the tokens left on the device for the step after.
+
+m8: every rank has a runner of its own, with its shard of the model and its heads' part of the
+KV pool; one block table serves them all. Rank 0's ``execute`` sends each step to the other
+ranks (their ``execute_shard``), computes its own shard with them, samples alone from the
+gathered logits and sends them the tokens, which they keep for the next step as it does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.transfer import to_device
+
+from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
+from .config import EngineConfig
+from .distributed import SINGLE, TensorParallel
+from .future_map import FutureMap
+from .graph_runner import GraphRunner
+from .model import CausalLM, ModelConfig
+from .sampler import Sampler, ranked_logprobs
+from .sequence import Logprob, Sequence
+from .step import (
+    DecodeInputs,
+    ModelInputs,
+    PromptLogprobRows,
+    SamplingRow,
+    ScheduledBatch,
+    ShardStep,
+    StepInputs,
+    StepOutput,
+)
+
+
+class ModelRunner:
+    """Two threads use it: the host calls ``prepare`` (with ``prepare_inputs`` and ``decode_inputs``), the forward
+    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, ``ragged_batch``, the
+    graph runner, the sampler, the future map's ``resolve_`` and ``store``)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.config, self.tp = config, tp
+        self.device = config.device
+        self.model = CausalLM.from_pretrained(
+            model_path, model_config, config.max_model_len, config.device, config.dtype, tp
+        )
+        # m8: this rank's heads, which its KV pool holds (the same count on every rank, so the same number of blocks)
+        heads = replace(model_config, num_heads=len(tp.part(model_config.num_heads)),
+                        num_kv_heads=len(tp.kv_part(model_config.num_kv_heads)))
+        element_size = torch.empty((), dtype=config.dtype).element_size()
+        bytes_per_token = 2 * heads.num_layers * heads.num_kv_heads * heads.head_dim * element_size
+        if config.num_kv_blocks is None:  # size the pool from the memory budget; the scheduler reads it back
+            budget = config.kv_cache_memory_bytes or config.max_num_seqs * config.max_model_len * bytes_per_token
+            config.num_kv_blocks = budget // (bytes_per_token * config.block_size)
+            if config.num_kv_blocks == 0:
+                raise ValueError(
+                    f"kv_cache_memory_bytes ({budget}) holds no block of {config.block_size} tokens "
+                    f"({bytes_per_token * config.block_size} bytes): raise it, or lower block_size"
+                )
+        # One block more than the block manager hands out: where the padding rows of a replayed step write.
+        shape = (heads.num_layers, heads.num_kv_heads, config.num_kv_blocks + 1, config.block_size, heads.head_dim)
+        # torch.zeros; on a CPU in 2 MiB pages, read faster (a platform speed-up, attention_backend not "torch")
+        self.k_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
+        self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
+        speculative = config.speculative_config  # m7: a request samples after its last token and after each guess
+        rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
+        self.future_map = FutureMap(2 * config.max_num_seqs * rows_per_seq, config.device)
+        self.sampler = Sampler(config.device, self.future_map)
+        self.rejection = speculative is not None and speculative.acceptance == "rejection"  # m7: how guesses are judged
+        # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
+        self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
+        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
+        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
+        # And on CUDA: every request of a step in one attention call (None: request by request, as attention.py reads).
+        self.batched_attention = batched_attention_for(config.attention_backend, config.device, config.dtype, heads)
+        self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
+        self.num_eager_steps = 0
+
+    def capture_decode_step(self) -> GraphRunner | None:
+        """Capture the decode step for every configured batch size (None: it cannot be captured here)."""
+        if self.device.type == "cpu" and not cpp_compiler_available():
+            warnings.warn("no C++ compiler for torch.compile: m5 decodes eagerly (install g++ or clang, or pass "
+                          "enforce_eager=True to silence this)", stacklevel=3)
+            return None
+        max_blocks = -(-self.config.max_model_len // self.config.block_size)
+        graph_runner = GraphRunner(self.model, self.k_cache, self.v_cache, self.decode_kernel or paged_decode_attention,
+                                   self.config.cudagraph_capture_sizes, max_blocks)
+        with torch.inference_mode():
+            graph_runner.capture()
+        return graph_runner
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes reserved for keys and values, whether filled or not."""
+        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one token across all layers."""
+        num_layers, num_kv_heads, _, _, head_dim = self.k_cache.shape
+        return 2 * num_layers * num_kv_heads * head_dim * self.k_cache.element_size()
+
+    # --8<-- [start:execute]
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The host's half of a step: what to compute, as plain lists, and a future id for every token to sample."""
+        # m7: a decode step has a row per token, so a checking step needs 1 + guesses rows a request
+        if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(
+                sum(batch.num_new_tokens)):
+            forward, sample_seqs = self.decode_inputs(batch)
+            positions = forward.positions
+        else:
+            forward = self.prepare_inputs(batch)
+            sample_seqs, positions = forward.sample_seqs, [forward.positions[row] for row in forward.sample_rows]
+        rows = [SamplingRow.of(seq, p, self.rejection, batch.guess_probs) for seq, p in zip(sample_seqs, positions)]
+        return StepInputs(forward, rows, self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> StepOutput:
+        """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device.
+        m8: rank 0's half; the other ranks compute their shards of the same step with it (``execute_shard``)."""
+        forward = replace(step.forward, sample_seqs=[]) if isinstance(step.forward, ModelInputs) else step.forward
+        self.tp.send_step(ShardStep(forward, step.future_ids))  # the host's sequences stay here
+        hidden, prompt_logprobs = self.forward(step.forward)
+        if not step.samples:  # every request is in the middle of its prompt
+            return StepOutput(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
+        logits = self.sampler.apply_grammars(self.logits(hidden), step.samples)  # structured: the format's only
+        tokens = self.sampler(logits, step.samples)
+        self.future_map.store(step.future_ids, tokens)
+        self.tp.broadcast(tokens)  # m8: the other ranks keep them too, where the next step's inputs look for them
+        return StepOutput(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)
+
+    @torch.inference_mode()
+    def execute_shard(self, step: ShardStep) -> None:
+        """m8, every rank but 0: compute this rank's shard of the step rank 0 sent, take part in its logits, and keep
+        the tokens rank 0 sampled where the next step's inputs look for them."""
+        hidden, _ = self.forward(step.forward)
+        if step.future_ids:
+            self.logits(hidden)
+            tokens = torch.empty(len(step.future_ids), dtype=torch.long, device=self.device)
+            self.future_map.store(step.future_ids, self.tp.broadcast(tokens))
+
+    def serve(self) -> None:
+        """m8, every rank but 0: run the steps rank 0 sends until it sends None."""
+        while (step := self.tp.receive_step()) is not None:
+            self.execute_shard(step)
+
+    def forward(self, forward: DecodeInputs | ModelInputs) -> tuple[torch.Tensor, dict[str, list]]:
+        """Every rank: the hidden states of the rows that sample, and the prompt scores of the requests that ask."""
+        if isinstance(forward, DecodeInputs):
+            return self.graph_runner.run(forward, self.future_map), {}
+        self.num_eager_steps += 1
+        input_ids, positions, ctx = self.device_inputs(forward)
+        hidden = self.model(input_ids, positions, ctx)
+        prompt_logprobs = self.prompt_logprobs(hidden, forward.prompt_rows)
+        rows = self._tensor(forward.sample_rows)  # a tensor from pinned memory: a list index would
+        return hidden[rows], prompt_logprobs  # copy to the GPU and wait for the forward
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Every rank: the logits of its part of the vocabulary, gathered; the whole vocabulary's, in fp32."""
+        return self.tp.gather_logits(self.compute_logits(hidden))[:, : self.model.config.vocab_size]
+    # --8<-- [end:execute]
+
+    # --8<-- [start:prompt_logprobs]
+    def prompt_logprobs(self, hidden: torch.Tensor,
+                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
+        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
+        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
+        found = {}
+        for rows in scored:
+            logits = self.logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])  # m8: every rank's
+            chosen = to_device(rows.token_ids, torch.long, self.device)
+            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
+        return found
+    # --8<-- [end:prompt_logprobs]
+
+    # --8<-- [start:prepare_inputs]
+    def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
+        """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
+        block_size = self.config.block_size
+        input_ids, positions, slot_mapping = [], [], []  # one entry per token
+        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        sample_rows, sample_seqs, prompt_rows = [], [], []
+        for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            row = len(input_ids)
+            tokens = seq.token_ids + seq.draft_token_ids  # m7: the guesses ride after the last token, like a chunk
+            input_ids += tokens[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
+            if self.decode_kernel is None or (num_new > 1 and start + 1 < len(seq.token_ids)):  # a prompt chunk
+                requests.append(span)
+            else:  # one token, or m7: a token and its guesses, a kernel row apiece as in a replayed step
+                decodes += [RequestSpan(row + i, row + i + 1, span.block_table, start + i + 1) for i in range(num_new)]
+            prompt_rows += PromptLogprobRows.of(seq, row, start, end)
+            if end == len(tokens):  # the chunk reaches the end: its last token, and each guess, predicts the next one
+                num_rows = 1 + len(seq.draft_token_ids)
+                sample_rows += range(row + num_new - num_rows, row + num_new)
+                sample_seqs += [seq] * num_rows
+        block_tables = []  # the torch path gathers every request's blocks in one copy per layer
+        for span in requests:
+            span.first = len(block_tables) * block_size
+            block_tables += span.block_table
+        return ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows,
+                           sample_seqs, prompt_rows)
+
+    def device_inputs(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
+        """The eager step's tensors, made on the worker; future ids resolved to the tokens they stand for."""
+        input_ids = self._tensor(inputs.input_ids)
+        self.future_map.resolve_(input_ids)
+        ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(inputs.slot_mapping),
+                               self._tensor(inputs.block_tables), inputs.requests)
+        if inputs.decodes:
+            ctx.kernel_batch = self.kernel_batch(inputs.decodes)
+        if self.batched_attention is not None:
+            ctx.ragged_batch = self.ragged_batch(inputs.requests, ctx.block_tables)
+        return input_ids, self._tensor(inputs.positions), ctx
+    # --8<-- [end:prepare_inputs]
+
+    @staticmethod
+    def is_decode_step(batch: ScheduledBatch) -> bool:
+        """Does every request compute exactly its last token (m7: and its guesses), and so sample after each?"""
+        return all(seq.num_computed_tokens + 1 == seq.num_tokens and num_new == 1 + len(seq.draft_token_ids)
+                   for seq, num_new in zip(batch.seqs, batch.num_new_tokens))
+
+    # --8<-- [start:decode_inputs]
+    def decode_inputs(self, batch: ScheduledBatch) -> tuple[DecodeInputs, list[Sequence]]:
+        """Each request's one new token (m7: and each guess, a row apiece), where its key and value go, and the
+        blocks it reads; who samples after each row. A guess's row reads the rows before it, as it would in a
+        chunk: each row's keys and values are written before any row attends, and its context ends at itself."""
+        block_size = self.config.block_size
+        inputs, sample_seqs = DecodeInputs([], [], [], [], []), []
+        for seq, table in zip(batch.seqs, batch.block_tables):
+            tokens = (seq.token_ids + seq.draft_token_ids)[seq.num_computed_tokens:]  # m7: a token and its guesses
+            table = list(table)  # a copy: the host grows the live table while the step runs
+            for position, token in enumerate(tokens, seq.num_computed_tokens):
+                inputs.token_ids.append(token)
+                inputs.positions.append(position)
+                inputs.slots.append(table[position // block_size] * block_size + position % block_size)
+                inputs.block_tables.append(table)
+                inputs.context_lens.append(position + 1)
+                sample_seqs.append(seq)
+        return inputs, sample_seqs
+    # --8<-- [end:decode_inputs]
+
+    def graph_stats(self) -> dict[str, object]:
+        """Which batch sizes were captured, and how many steps were replayed, padded or run eagerly."""
+        graphs = self.graph_runner
+        return {
+            "captured_sizes": graphs.sizes if graphs else [],
+            "replays": graphs.num_replays if graphs else 0,
+            "eager_steps": self.num_eager_steps,
+            "padded_rows": graphs.num_padded_rows if graphs else 0,
+            "capture_seconds": graphs.capture_seconds if graphs else 0.0,
+        }
+
+    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
+        """The decoding requests as one call of the compiled kernel, which reads their blocks in place."""
+        rows = self._tensor([span.start for span in decodes])
+        width = max(len(span.block_table) for span in decodes)  # tables padded with block 0, never read
+        block_tables = self._tensor([span.block_table + [0] * (width - len(span.block_table)) for span in decodes])
+        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
+
+    def ragged_batch(self, spans: list[RequestSpan], block_tables: torch.Tensor) -> RaggedBatch:
+        """Every request as one call of batched attention, which reads their blocks through their tables."""
+        return self.batched_attention([span.end - span.start for span in spans], [span.context_len for span in spans],
+                                      [span.first for span in spans], block_tables, self.config.block_size)
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return to_device(values, torch.long, self.device)
+
+
+def cpp_compiler_available() -> bool:
+    """torch.compile on a CPU writes C++ and needs a compiler ($CXX, else c++) to build it."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
