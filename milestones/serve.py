@@ -509,17 +509,51 @@ def command_line() -> argparse.ArgumentParser:
                         help="an EngineConfig option, e.g. max_num_seqs=16 (repeatable; values are JSON or text)")
     parser.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                         help='m7: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (vLLM\'s flag)')
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="m8: split the model over N ranks, each a process holding a shard of every layer "
+                             "(vLLM's flag); N must divide the model's attention heads and MLP width")
     return parser
+
+
+# The options that are a later milestone's lesson: the first milestone that takes each, and what it teaches
+LATER_OPTIONS = {"speculative_config": ("m7", "speculative decoding"),
+                 "tensor_parallel_size": ("m8", "tensor parallelism")}
+
+
+def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
+    """The engine's options from the command line. A flag the milestone does not take (--tensor-parallel-size 2 with
+    m7) is refused as a command-line error, before anything loads."""
+    options = dict(_engine_option(text) for text in args.engine_option)
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.speculative_config is not None:
+        options["speculative_config"] = args.speculative_config
+    if args.tensor_parallel_size > 1:  # 1 is every milestone's way: one process, the whole model
+        options["tensor_parallel_size"] = args.tensor_parallel_size
+    for name, (first, lesson) in LATER_OPTIONS.items():
+        if name in options and MILESTONES.index(args.milestone) < MILESTONES.index(first):
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} needs --milestone {first} or later ({lesson} is {first}'s lesson); "
+                         f"{args.milestone} has no {name}")
+    return options
+
+
+def load_llm(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The milestone's LLM with the command line's options; an option the engine refuses (a tensor-parallel size
+    that does not divide the model's heads, say) is a command-line error with the engine's message."""
+    options = engine_options(parser, args)
+    try:
+        return importlib.import_module(f"milestones.{args.milestone}").LLM(args.model, **options)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    args = command_line().parse_args(argv)
-    options = dict(_engine_option(text) for text in args.engine_option)
-    if args.speculative_config is not None:
-        options["speculative_config"] = args.speculative_config
-    llm = importlib.import_module(f"milestones.{args.milestone}").LLM(args.model, **options)
+    parser = command_line()
+    args = parser.parse_args(argv)
+    llm = load_llm(parser, args)  # m8 with --tensor-parallel-size N: rank 0 here, and N - 1 worker processes
     name = args.served_model_name or _default_name(args.model)
     if args.api_key is None and not _is_loopback(args.host):
         logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)

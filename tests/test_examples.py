@@ -427,6 +427,34 @@ def test_m7_inference_compare():
     assert "outputs: 2 of 2 identical, token for token" in out
 
 
+def test_m8_inference_compare(tiny_model_path):
+    # Two ranks (the tiny model's 4 heads and 2 KV heads split in two): one worker process, spawned by the script's
+    # LLM under its main guard; then m7 in one process, whose tokens the ranks' must be.
+    out = run_script("examples/m8_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "4",
+                                                             "--tensor-parallel-size", "2", "--compare")).stdout
+    assert "=== m8, 2 ranks ===" in out and "=== m7, one process ===" in out
+    assert out.count("completion:") == 3  # the m7 run's texts are compared, not printed
+    rank0 = r"^    rank 0: [\d.]+ [KM]iB \(0\.50 of one rank's; counted on its loaded model\)$"
+    assert re.search(rank0, out, re.M), out
+    assert re.search(r"^    rank 1: [\d.]+ [KM]iB \(0\.50 of one rank's", out, re.M)
+    assert summary_value(out, "KV pool").endswith("for its 1 of the model's 2 KV heads")
+    assert "outputs: identical, token for token, for all 3 requests" in out
+
+
+def test_m8_inference_under_torchrun(tiny_model_path):
+    """torchrun starts both ranks, each runs the script; rank 1 serves steps inside LLM(...) and exits there, so
+    only rank 0 prints (the ranks' number is torchrun's when no --tensor-parallel-size is given)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("no torchrun next to this interpreter")
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "examples/m8_inference.py",
+                           *tiny_args(tiny_model_path, "--max-tokens", "4", "--show", "0")],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.count("=== m8, 2 ranks ===") == 1 and proc.stdout.count("summary (") == 1, proc.stdout
+    assert "rank 1: " in proc.stdout and summary_value(proc.stdout, "output tokens").startswith("12 ")
+
+
 def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     # Eager steps: no compiling, so the test needs no C++ compiler and takes seconds.
     trace = tmp_path / "trace.json"
@@ -477,6 +505,7 @@ def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     ("m5_inference.py", ("--compare", "--enforce-eager", "--cudagraph-capture-sizes", "--max-num-seqs")),
     ("m6_inference.py", ("--compare", "--no-async", "--trace", "--enforce-eager", "--cudagraph-capture-sizes")),
     ("m7_inference.py", ("--compare", "--num-speculative-tokens", "--prompt-lookup-min", "--prompt-lookup-max")),
+    ("m8_inference.py", ("--compare", "--tensor-parallel-size", "--enforce-eager", "--max-num-seqs")),
 ])
 def test_batched_demos_help(script, flags):
     proc = run_script(f"examples/{script}", "--help")
@@ -526,6 +555,31 @@ def test_a_benchmark_row_can_run_in_its_own_dtype(tiny_model_path, tmp_path):
     # the compiled kernel if it builds, else oneDNN's packed bfloat16 layers where the CPU has bfloat16 instructions
     fast_bf16 = HAS_KERNEL_TOOLCHAIN or onednn_available(torch.bfloat16)
     assert results[1]["packed_linear"] == fast_bf16, "m1 in bfloat16 takes the fast bfloat16 linear layers on a CPU"
+
+
+def test_m8_rows_run_in_ranks_and_skip_a_model_their_ranks_cannot_split(tiny_model_path, tmp_path):
+    """m8@tp2 and m8@tp3 set m8's tensor_parallel_size. On the tiny model and the host checkpoint (4 heads each),
+    m8@tp2 gives one rank's tokens in two; m8@tp3 is skipped with the reason printed, and the run goes on."""
+    rows = import_bench("rows")
+    assert rows.MilestoneRow.parse("m8@tp3", ["m8"]).engine_options == {"tensor_parallel_size": 3}
+    assert rows.MilestoneRow.parse("m8@eager+tp2", ["m8"]).engine_options == {"enforce_eager": True,
+                                                                              "tensor_parallel_size": 2}
+    with pytest.raises(ValueError, match="sets one option twice"):
+        rows.MilestoneRow.parse("m8@tp2+tp3", ["m8"])
+    out = tmp_path / "b.json"
+    proc = run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+                      "--engines", "m8@eager,m8@tp2,m8@tp3", "--workloads", "decode,host", "--runs", "1",
+                      "--decode-tokens", "6", "--host-batch-sizes", "1,2", "--host-steps", "3", "--out", str(out),
+                      timeout=600)
+    heads = "3 ranks do not divide the model's 4 attention heads"
+    assert f"- m8@tp3: decode skipped ({heads})" in proc.stdout
+    assert f"- m8@tp3: host skipped (on its tiny checkpoint, {heads})" in proc.stdout
+    results = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {(w, e) for w in ("decode", "host-1", "host-2") for e in ("m8@eager", "m8@tp2")}
+    assert all(r["status"] == "ok" for r in results.values()), [r["error"] for r in results.values()]
+    ranks = results[("decode", "m8@tp2")]
+    assert ranks["engine_config"]["tensor_parallel_size"] == 2 and ranks["same_tokens_as_m8@eager"] == "1/1 requests"
+    assert results[("decode", "m8@eager")]["engine_config"]["tensor_parallel_size"] == 1
 
 
 def test_llama_cpp_rows_are_named_not_implied():

@@ -10,14 +10,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import multiprocessing
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from milestones.serve import Limits, create_app, running
+from milestones.serve import Limits, command_line, create_app, load_llm, main, running
 
 SERVED = ["m1", "m2", "m4", "m6", "m7"]  # one at a time, batched, paged with a prefix cache, overlapped, guessing
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}  # m7's option
@@ -491,3 +493,47 @@ def test_shutting_down_aborts_open_streams_and_stops_the_engine(tiny_model_path)
     assert not llm.engine.worker.thread.is_alive()
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
+
+
+def test_m8_serves_in_two_ranks_the_tokens_of_one_and_its_shutdown_ends_the_worker(tiny_model_path):
+    """--tensor-parallel-size 2 on the tiny model (4 heads, 2 KV heads): rank 0 in this process, rank 1 a worker
+    process; the greedy answers are m7's, and the server's shutdown ends the worker (cleanly, not killed)."""
+    from milestones import m7
+
+    with m7.LLM(tiny_model_path, **LIMITS, enforce_eager=True) as reference:
+        texts = [out.outputs[0].text for out in reference.generate(PROMPTS, greedy(m7), use_tqdm=False)]
+    parser = command_line()
+    args = parser.parse_args(["--milestone", "m8", "--model", str(tiny_model_path), "--tensor-parallel-size", "2",
+                              *(f"--engine-option={name}={value}" for name, value in LIMITS.items())])
+    before = set(multiprocessing.active_children())
+    llm = load_llm(parser, args)
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    assert llm.engine.config.tensor_parallel_size == 2 and len(workers) == 1, workers  # rank 0 is this process
+    with serving(llm) as (url, _):
+        body = {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert [c["text"] for c in answer["choices"]] == texts
+        streamed = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == texts[0]
+        assert all(worker.is_alive() for worker in workers)
+    # The server has stopped: its engine loop closed the LLM, which stopped rank 1 and waited for it to exit.
+    assert not [p for p in multiprocessing.active_children() if p not in before], "a worker outlived the server"
+    assert not any(Path(f"/proc/{worker.pid}").exists() for worker in workers), "a worker process remains"
+    assert [worker.exitcode for worker in workers] == [0], "the worker was killed or failed rather than told to stop"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--milestone", "m7", "--tensor-parallel-size", "2"], "--tensor-parallel-size needs --milestone m8 or later"),
+    (["--milestone", "m6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     "--speculative-config needs --milestone m7 or later"),
+    (["--milestone", "m8", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--milestone", "m8", "--tensor-parallel-size", "3", "--engine-option", "device=cpu"],
+     "tensor_parallel_size 3 does not divide the model's 4 attention heads: use one of [1, 2, 4]"),
+])
+def test_a_flag_the_milestone_or_model_cannot_take_is_a_command_line_error(tiny_model_path, capsys, argv, words):
+    """Refused as argparse refuses a bad flag (exit 2, the message on stderr), before any worker starts."""
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--model", str(tiny_model_path)])
+    assert exited.value.code == 2
+    assert words in capsys.readouterr().err

@@ -16,6 +16,7 @@ from .rows import (
     HF_CB_DEFAULTS,
     HF_ROWS,
     LLAMA_CPP_ROWS,
+    ROW_OPTIONS,
     MilestoneRow,
     is_hf_row,
     measure_in_rounds,
@@ -52,7 +53,11 @@ def size_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Benchmark the milestones against each other and against transformers, in one process.",
-        epilog=f"Milestones available: {', '.join(MILESTONES)}. Rows for transformers: {', '.join(HF_ROWS)} "
+        epilog=f"Milestones available: {', '.join(MILESTONES)}. A milestone row may take engine options after "
+               f"'@', joined by '+': {', '.join(ROW_OPTIONS)} (e.g. m6@sync, m7@ngram, m7@draft, m2@torch+linear-torch;"
+               " m8@tp2 and m8@tp3 run m8's tensor parallelism in 2 or 3 ranks, a process each, and skip, saying why, "
+               "a workload whose model that many ranks cannot split: the bundled model's 9 heads take 3, not 2). "
+               f"Rows for transformers: {', '.join(HF_ROWS)} "
                "('hf' = all three; hf-generate@bf16 or @fp32 in a dtype of its own). Rows for llama.cpp, only when "
                f"named and installed (pip install -e '.[llama-cpp]'): {', '.join(LLAMA_CPP_ROWS)} "
                "('llama.cpp' = both).",
@@ -60,8 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("what to run")
     g.add_argument("--engines", default="all",
-                   help="comma-separated rows: milestone names (m1,m2,...), 'hf' or "
-                        "hf-generate/hf-static/hf-continuous; 'all' = every milestone + hf")
+                   help="comma-separated rows: milestone names (m1,m2,...), each with options after '@' if wanted "
+                        "(m7@ngram, m8@tp3: see below), 'hf' or hf-generate/hf-static/hf-continuous; 'all' = every "
+                        "milestone (m8 in one rank) + hf")
     g.add_argument("--workloads", default="decode,mixed", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
     g.add_argument("--model", default=None, help="local folder or hub id; default: the bundled SmolLM2-135M-Instruct")
     g.add_argument("--device", default=None, help="cpu or cuda; default: cuda if available, else cpu")

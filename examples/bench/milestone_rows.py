@@ -8,6 +8,11 @@ small,  ``speculative_config`` (the ``@ngram`` and ``@draft`` rows) also reports
 grounded,
 open
 host    a second engine on a tiny checkpoint, B requests decoding: milliseconds per step (host_rows.py).
+
+m8's ``@tp2`` and ``@tp3`` rows run the model in that many ranks, this process and a worker process for each
+other rank. A workload whose model the ranks cannot split (its attention heads, KV heads or MLP width; on CUDA,
+a GPU per rank) is skipped with the reason printed: the bundled model's 9 heads take 3 ranks, not 2, and the
+host workload's tiny checkpoint (4 heads) 2, not 3.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ import dataclasses
 import functools
 import gc
 import importlib
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from milestones.model_store import first_layers_copy
 
-from .host_rows import host_engine, host_row
+from .host_rows import host_checkpoint, host_engine, host_row
 from .rows import (
     MB,
     Measurement,
@@ -78,16 +87,41 @@ def config_dict(config) -> dict:
             for f in dataclasses.fields(config) for v in [getattr(config, f.name)]}
 
 
+def tensor_parallel_misfit(row: MilestoneRow, folder: Path, device: torch.device) -> str | None:
+    """Why the row's ranks (m8@tp3) cannot split the model in ``folder`` on this machine, the engine's own rules;
+    None if they can, or if the row runs in one rank."""
+    size = row.engine_options.get("tensor_parallel_size", 1)
+    if size == 1:
+        return None
+    config = json.loads((Path(folder) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads, width = config.get("num_key_value_heads") or heads, config["intermediate_size"]
+    if heads % size:
+        return f"{size} ranks do not divide the model's {heads} attention heads"
+    if kv_heads % size and size % kv_heads:
+        return f"{size} ranks neither divide the model's {kv_heads} KV heads nor are a multiple of them"
+    if width % size:
+        return f"{size} ranks do not divide the model's MLP width ({width})"
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        return f"{size} ranks need a GPU each; this machine has {torch.cuda.device_count()}"
+    return None
+
+
 def load_row(row: MilestoneRow, setup: Setup) -> list[Measurement]:
-    """Load the milestone's engine once: a measurement per workload (a row that does not load, its error rows)."""
-    args = setup.args
+    """Load the milestone's engine once: a measurement per workload (a row that does not load, its error rows; a
+    workload whose model the row's ranks cannot split, none)."""
+    args, threads = setup.args, torch.get_num_threads()
     try:
         mod = importlib.import_module(f"milestones.{row.milestone}")
         kwargs = engine_kwargs(mod, row, setup)
         kwargs.setdefault("dtype", setup.dtype)  # a row's own dtype (m1@bf16) beats --dtype
         new_llm = functools.partial(mod.LLM, args.model, device=setup.device, **kwargs)
+        served = [w for w in args.workloads if w != "host"]  # on the run's model; the host rows load a tiny one
+        misfit = tensor_parallel_misfit(row, setup.model_path, setup.device) if served else None
+        if misfit is not None:
+            print(f"- {row.name}: {', '.join(served)} skipped ({misfit})", flush=True)
         start = time.perf_counter()
-        llm = new_llm() if set(args.workloads) != {"host"} else None  # the host rows load an engine of their own
+        llm = new_llm() if served and misfit is None else None
         load_s = time.perf_counter() - start
         extra = {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "dtype"}, "load_s": load_s}
         if llm is not None:
@@ -95,15 +129,23 @@ def load_row(row: MilestoneRow, setup: Setup) -> list[Measurement]:
         runs = workload_runs(row, mod, llm, new_llm, setup, kwargs)
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
         return [failed_measurement(w, row.name, "milestone", err) for w in args.workloads]
-    return [Measurement(row.name, workload, functools.partial(measure, row.name, extra, workload, run))
+    finally:  # m8 in several ranks shares the cores out, rank 0 (this process) included: the other rows get theirs
+        row_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+    return [Measurement(row.name, workload, functools.partial(measure, row.name, extra, workload, run, row_threads))
             for workload, run in runs]
 
 
-def measure(name: str, extra: dict, workload: str, run: Callable[[], dict]) -> dict:
+def measure(name: str, extra: dict, workload: str, run: Callable[[], dict], threads: int) -> dict:
+    """One run of a row, with the threads its engine chose (m8's rank 0 its share of the cores), restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         return run() | extra
     except Exception as err:
         return error_row(workload, name, "milestone", err)
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_milestone(row: MilestoneRow, setup: Setup) -> list[dict]:
@@ -119,6 +161,8 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
     args, runs = setup.args, []
     unused = [llm]  # the loaded engine serves one pass of a served workload, the first; every other pass a new one
     for workload in args.workloads:
+        if llm is None and workload != "host":  # its ranks cannot split the model: skipped (load_row said why)
+            continue
         if workload == "decode":
             runs.append(("decode", functools.partial(decode_row, row, mod, llm, setup, [setup.workloads.decode_prompt],
                                                      "decode")))
@@ -128,6 +172,9 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
             runs += [(f"batch-{size}", functools.partial(decode_row, row, mod, llm, setup,
                                                          setup.workloads.batch_prompts[:size], f"batch-{size}"))
                      for size in args.batch_sizes]
+        elif workload == "host" and (misfit := tensor_parallel_misfit(row, host_checkpoint(setup.model_path),
+                                                                      setup.device)):
+            print(f"- {row.name}: host skipped (on its tiny checkpoint, {misfit})", flush=True)
         elif workload == "host":
             host_llm, sizes = host_engine(mod, row, setup, kwargs)
             runs += [(f"host-{size}", functools.partial(host_row, row, mod, host_llm, setup, size)) for size in sizes]

@@ -36,6 +36,10 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
                      {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 8}),
     # m7: the first --draft-layers layers of the model as its draft (the copy is made once and cached)
     "draft": ("speculative_config", {"method": "draft_model", "num_speculative_tokens": 4}),
+    # m8: tensor parallelism in 2 or 3 ranks, a process each (m8 alone is one rank). The bundled model's 9 heads
+    # split in 3, not 2: a row whose ranks do not divide its model's heads is skipped, saying why
+    "tp2": ("tensor_parallel_size", 2),
+    "tp3": ("tensor_parallel_size", 3),
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
     "fp32": ("dtype", "float32"),
 }

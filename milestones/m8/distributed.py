@@ -7,7 +7,7 @@ tells the other ranks what each step computes (``send_step``) and which tokens i
 (``broadcast``). Two process groups, as vLLM keeps them: ``compute`` for the tensors (gloo on
 a CPU, NCCL on GPUs), with a short timeout so that a rank that hangs is an error within
 seconds; ``messages`` (always gloo, host memory) for a step's plain lists, on which the other
-ranks may wait for the next request as long as the engine stays idle. One rank (``SINGLE``)
+ranks may wait for the next request as long as the engine stays idle (rank 0's sends time out). One rank (``SINGLE``)
 has no group at all and every collective is nothing: m7 exactly. (Under torchrun even one
 rank joins a group, and its collectives run: that is how one GPU checks the NCCL path.)
 """
@@ -85,11 +85,12 @@ class TensorParallel:
 
     # --8<-- [start:messages]
     def send_step(self, step: object) -> None:
-        """Rank 0: tell the other ranks what to compute next (plain data, pickled); None tells them to stop."""
+        """Rank 0: tell the other ranks what to compute next (plain data, pickled); None tells them to stop. A rank
+        that does not take it within the collective timeout fails the step."""
         if self.messages is not None:
             payload = torch.frombuffer(bytearray(pickle.dumps(step)), dtype=torch.uint8)
-            self.messages.broadcast(torch.tensor([payload.numel()]), 0).wait()
-            self.messages.broadcast(payload, 0).wait()
+            self.messages.broadcast(torch.tensor([payload.numel()]), 0, COLLECTIVE_TIMEOUT).wait()
+            self.messages.broadcast(payload, 0, COLLECTIVE_TIMEOUT).wait()
 
     def receive_step(self) -> object:
         """The other ranks: wait for rank 0's next step (or None), however long the engine stays idle."""

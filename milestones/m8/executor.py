@@ -54,20 +54,22 @@ def start_ranks(config: EngineConfig, model_config: ModelConfig, path: Path) -> 
         return Workers([], [], tp)  # torchrun's processes: rank 0 only tells them to stop
     if size == 1:
         return None
-    share_cores(config.device, size)
+    threads = torch.get_num_threads()
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False)  # port 0: a free one
     context = multiprocessing.get_context("spawn")
-    workers = Workers([], [])
+    workers = Workers([], [], threads_before=threads)
+    threads = max(1, threads // size) if config.device.type == "cpu" else threads  # each rank's share of the cores
     for rank in range(1, size):
         pipe, child_pipe = context.Pipe()
         process = context.Process(target=run_worker, name=f"tensor-parallel-rank-{rank}", daemon=True, args=(
             rank, store.port, replace(config, device=rank_device(config.device, rank)), model_config, path,
-            child_pipe))
+            threads, child_pipe))
         process.start()
         child_pipe.close()
         workers.processes.append(process)
         workers.pipes.append(pipe)
     workers.wait_for("started", START_TIMEOUT)
+    torch.set_num_threads(threads)  # rank 0's share too, until close() gives the caller's back
     try:
         workers.tp = join(store, 0, size, config.device)
     except BaseException:
@@ -82,22 +84,16 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device if device.type == "cpu" else torch.device("cuda", (device.index or 0) + rank)
 
 
-def share_cores(device: torch.device, size: int) -> None:
-    """On a CPU the ranks share the cores: each takes its part (rank 0 too), or their threads would wait on each
-    other at every operation."""
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-
-
 # --8<-- [start:run_worker]
-def run_worker(rank: int, port: int, config: EngineConfig, model_config: ModelConfig, path: Path,
+def run_worker(rank: int, port: int, config: EngineConfig, model_config: ModelConfig, path: Path, threads: int,
                pipe: Connection) -> None:
-    """A worker process: join the ranks, load this rank's shard, say so, then serve steps until rank 0 stops."""
+    """A worker process: join the ranks, load this rank's shard, say so, then serve steps until rank 0 stops. On a
+    CPU the ranks share the cores (``threads`` each), or their threads would wait on each other at every operation."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     threading.Thread(target=lambda: (wait([parent.sentinel]), os._exit(1)), daemon=True).start()  # orphaned: end
     try:
-        share_cores(config.device, config.tensor_parallel_size)
+        torch.set_num_threads(threads)
         if config.device.type == "cuda":
             torch.cuda.set_device(config.device)
         pipe.send("started")
@@ -127,6 +123,7 @@ class Workers:
     processes: list[multiprocessing.Process]
     pipes: list[Connection]
     tp: TensorParallel = SINGLE
+    threads_before: int | None = None  # the caller's torch thread count, given back on close
 
     def wait_for(self, message: str, timeout: float | None) -> None:
         """Wait until every worker has sent ``message``; if one sends a traceback, dies or is silent for ``timeout``
@@ -167,3 +164,5 @@ class Workers:
                 process.join()
         for pipe in self.pipes:
             pipe.close()
+        if self.threads_before is not None:
+            torch.set_num_threads(self.threads_before)
