@@ -624,6 +624,35 @@ CATALOGUE = (
         ("tests/m7/test_rejection.py::test_the_tokens_follow_the_targets_probabilities_whatever_the_draft",),
         "a rejected guess is replaced by a draw from the model's probabilities, not from what the guess left over",
     ),
+    Mutation(
+        "m8-no-all-reduce-after-o-proj", "milestones/m8/model.py",
+        "x = x + self.tp.all_reduce(self.self_attn(self.input_layernorm(x), cos, sin, ctx))",
+        "x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)",
+        ("tests/m8/test_sharding.py::test_sharded_logits_match_one_rank",),
+        "each rank adds only its own heads' share of o_proj's output: the all-reduce after attention is left out",
+    ),
+    Mutation(
+        "m8-replicated-kv-head-by-rank-modulo", "milestones/m8/distributed.py",
+        "head = self.rank * num_kv_heads // self.size", "head = self.rank % num_kv_heads",
+        ("tests/m8/test_sharding.py::test_kv_heads_are_replicated_where_ranks_outnumber_them",
+         "tests/m8/test_sharding.py::test_sharded_logits_match_one_rank"),
+        "with more ranks than KV heads, rank r holds KV head r mod the KV heads, not the one its query heads read",
+    ),
+    Mutation(
+        "m8-embedding-of-others-tokens-not-zeroed", "milestones/m8/model.py",
+        "return torch.where(mine[:, None], F.embedding(local * mine, self.weight), 0)",
+        "return F.embedding(local * mine, self.weight)",
+        ("tests/m8/test_sharding.py::test_sharded_logits_match_one_rank",),
+        "a rank looks up its first row for a token of another rank's part of the vocabulary, which the sum then adds",
+    ),
+    Mutation(
+        "m8-ranks-disagree-on-the-block-table", "milestones/m8/model_runner.py",
+        "forward = replace(step.forward, sample_seqs=[]) if",
+        "forward = replace(step.forward, sample_seqs=[], block_tables=step.forward.block_tables[::-1]) if",
+        ("tests/m8/test_vs_m7.py::test_two_ranks_overlapped_match_m7",),
+        "the other ranks read a step's blocks in another order than rank 0: each rank's keys and values of a request "
+        "come from different blocks",
+    ),
 )
 # --8<-- [end:catalogue]
 
