@@ -17,6 +17,7 @@ python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transform
 python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
 python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
+python3 -m tests.gpu_runbook tests OUT --group parallel  # m8 over NCCL: one rank; two on a machine with two GPUs
 python3 -m tests.gpu_runbook tests OUT --group attention  # batched attention, the Triton decode kernel
 python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m5 and m5@eager; the small workload thrice
 python3 -m tests.gpu_runbook bench OUT --group host    # the engine's own work per step: a tiny model, batch 1-64
@@ -74,6 +75,7 @@ TEST_GROUPS = {group: f"({expression}) and not ({ATTENTION_TESTS})" for group, e
     "chain": "the_chain_holds",
     "graphs": "m5_ or m6_",
     "speculative": "m7_",
+    "parallel": "m8_",
 }.items()} | {"attention": ATTENTION_TESTS}
 
 

@@ -14,13 +14,14 @@ differences it saw, so a GPU run leaves a record of how close the two implementa
 from __future__ import annotations
 
 import importlib.util
+import socket
 import warnings
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from milestones import m1, m2, m3, m4, m5, m6, m7
+from milestones import m1, m2, m3, m4, m5, m6, m7, m8
 from milestones.kernels import batched_attention_for
 from milestones.kernels.batched_attention import BatchedAttention, PaddedBatch, VarlenBatch
 from milestones.trace import hidden_host_share
@@ -166,6 +167,41 @@ def test_m7_with_the_model_as_its_own_draft_gives_m6s_tokens_on_cuda(tiny_model_
         stats = llm.engine.spec_stats()
     print(f"\nm7 on cuda, the model as its own draft: {stats}")
     assert stats["num_draft_tokens"] > 0 and stats["acceptance_rate"] >= 0.9, stats
+
+
+def test_m8_one_rank_over_nccl_gives_m7s_tokens_on_cuda(tiny_model_factory, monkeypatch):
+    """m8 in a group of one over NCCL, as ``torchrun --nproc-per-node 1`` starts it: its all-reduces, the gather of
+    the logits and the broadcast of the tokens are real NCCL calls, captured in the decode step's CUDA graphs, and
+    the tokens are m7's in float32."""
+    path = tiny_model_factory("smollm2-135m")
+    limits = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=32,
+                  cudagraph_capture_sizes=[1, 4])
+    prompts, settings = gpu_workload(16, seed=3, max_prompt=90, max_output=40)
+    reference = run(m7, m7.LLM(path, **limits), prompts, settings)
+    with socket.socket() as probe:  # a free port for the group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    with m8.LLM(path, **limits) as llm:
+        assert llm.engine.workers.tp.compute is not None  # a group of one over NCCL, not the single rank's no-ops
+        assert_same_outputs(run(m8, llm, prompts, settings), reference, atol=CUDA_LOGPROB_ATOL)
+        assert llm.engine.graph_stats()["replays"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (the loans so far have one): run "
+                    "`python3 -m tests.gpu_runbook tests OUT --group parallel` on a machine with two")
+def test_m8_two_ranks_on_two_gpus_give_m7s_tokens(tiny_model_factory):
+    """Two ranks over NCCL, a GPU each, graphs captured with their collectives: m7's tokens in float32."""
+    path = tiny_model_factory("llama")  # 4 heads and 2 KV heads: two ranks (SmolLM2's 9 heads split in 3 or 9)
+    limits = dict(device="cuda", dtype="float32", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=32,
+                  cudagraph_capture_sizes=[1, 4])
+    prompts, settings = gpu_workload(16, seed=3, max_prompt=90, max_output=40)
+    reference = run(m7, m7.LLM(path, **limits), prompts, settings)
+    with m8.LLM(path, **limits, tensor_parallel_size=2) as llm:
+        assert_same_outputs(run(m8, llm, prompts, settings), reference, atol=CUDA_LOGPROB_ATOL)
+        assert llm.engine.graph_stats()["replays"] > 0
 
 
 def test_m6_survives_a_failed_step_on_cuda(tiny_model_path):

@@ -9,6 +9,8 @@ differs, the test prints m7's margin between its two likeliest tokens at that po
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from milestones import m7, m8
@@ -70,3 +72,17 @@ def test_bundled_model_in_three_ranks_matches_m7(bundled_model_path, report):
                         f"m7's top-2 margin there is {margin:.3g} nats")
     assert_same_outputs(got, want, settings)
     report(f"m8: SmolLM2-135M in 3 ranks, {len(prompts)} requests (greedy and seeded), m7's tokens")
+
+
+def test_one_rank_in_a_group_of_its_own_matches_m7(tiny_model_path, workload, reference, monkeypatch):
+    """Under torchrun's environment even one rank joins a group, and its collectives run (the CUDA tests do this over
+    NCCL, tests/cuda): a group of one is m7 exactly too."""
+    with socket.socket() as probe:  # a free port for the group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(name, value)
+    with m8.LLM(tiny_model_path, **LIMITS) as llm:
+        assert llm.engine.workers.tp.compute is not None and not llm.engine.workers.processes
+        assert_same_outputs(run(m8, llm, *workload), reference, workload[1])
