@@ -76,6 +76,19 @@ def todo_comment(milestone: str, step_number: int, step: Step, exercise: Exercis
     return lines + (wrap(f"How: {exercise.how}", 100) if hints and exercise.how else [])
 
 
+def body_start(lines: list[str], node: ast.FunctionDef) -> int:
+    """The 0-based index of the first line of the function's body that a stub replaces: the line after its docstring,
+    else its first statement's, or the first of the comment lines right above that (a comment that opens a body
+    tells what the body does: the answer)."""
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        return body[0].end_lineno
+    begin = body[0].lineno - 1
+    while begin > node.lineno and lines[begin - 1].lstrip().startswith("#"):  # never the def line itself
+        begin -= 1
+    return begin
+
+
 def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Exercise, hints: bool = True) -> str:
     """The source with the exercise's function bodies replaced by a TODO and ``raise NotImplementedError``."""
     first, last = section_lines(source, exercise.section)
@@ -85,10 +98,8 @@ def stub(source: str, milestone: str, step_number: int, step: Step, exercise: Ex
         node = defined[name]
         if not first < node.lineno < last:
             raise LookupError(f"{name} is not inside the snippet section {exercise.section!r}")
-        body = node.body
-        has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-        begin = body[0].end_lineno if has_docstring else body[0].lineno - 1  # 0-based index of the first body line
-        indent = " " * body[0].col_offset
+        begin = body_start(lines, node)  # 0-based index of the first body line
+        indent = " " * node.body[0].col_offset
         message = f"{name} is yours to write (see its TODO in {exercise.file}); `make check M={milestone}` checks it"
         lines[begin : node.end_lineno] = [
             *(f"{indent}# {line}\n" for line in todo_comment(milestone, step_number, step, exercise, hints)),
@@ -142,11 +153,21 @@ def install(milestone: str, path: str | Path) -> None:
         raise FileNotFoundError(f"{folder} is not a package (no __init__.py): give the folder `start` created")
     name = f"milestones.{milestone}"
     init = folder / "__init__.py"
+    if getattr(sys.modules.get(name), "__file__", None) == str(init):
+        return  # installed already (by milestones/__init__.py, in a process that imported it with $MILESTONE_IMPL set)
     spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     setattr(milestones, milestone, module)
     spec.loader.exec_module(module)
+
+
+def install_from_environment() -> None:
+    """Install the package ``$MILESTONE_IMPL`` names, if it names one: ``milestones/__init__.py`` calls this, so that
+    every process of a check runs the learner's package, those the tests start too (m8's ranks: ``spawn`` starts a
+    fresh interpreter, which imports ``milestones.m8`` to find the function it runs, and would find the reference)."""
+    if os.environ.get(IMPL_VARIABLE):
+        install(*os.environ[IMPL_VARIABLE].split("=", 1))
 
 
 # Each step is one pytest session: -x, its first failure ends it; no cache of failures kept between the checks.
@@ -221,6 +242,17 @@ def owner(frames: tuple[tuple[Path, int], ...], package: Path, lesson: tuple[Ste
     return None
 
 
+def stub_in_output(output: str, lesson: tuple[Step, ...]) -> tuple[int, str] | None:
+    """The step and the lesson function of a stub whose NotImplementedError the step's output shows: one raised in
+    another process (m8's ranks), which printed its traceback (pytest's "Captured stderr"), while the failure's own
+    traceback is rank 0's, in whichever collective found the rank gone. None if no stub raised."""
+    steps = {name: number for number, step in enumerate(lesson, 1) for e in step.exercises for name in e.functions}
+    for name in re.findall(r"NotImplementedError: ([\w.]+) is yours to write", output):
+        if name in steps:
+            return steps[name], name
+    return None
+
+
 def prepare(milestone: str, package: Path) -> None:
     """Set this process up for the tests, before anything imports torch: the learner's package stands in for
     ``milestones.<milestone>``, and torch computes on one thread (unless $OMP_NUM_THREADS says otherwise)."""
@@ -265,7 +297,7 @@ def check(milestone: str, implementation: Path, numbers: range, keep_going: bool
             print("not run")
             continue
         run = run_step(step)
-        found = None if run.passed else owner(run.frames, package, lesson)
+        found = None if run.passed else stub_in_output(run.output, lesson) or owner(run.frames, package, lesson)
         elsewhere = f": the failure is in step {found[0]}'s {found[1]}" if found and found[0] != number else ""
         print(f"{'pass' if run.passed else 'FAIL'} ({run.seconds:.0f} s){elsewhere}", flush=True)
         passed += run.passed

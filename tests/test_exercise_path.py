@@ -41,7 +41,7 @@ from tests.conftest import needs_compiler
 
 # m5's steps, and those of the milestones copied from it, capture with torch.compile on a CPU: without a compiler
 # they skip, and a skipped step proves nothing.
-NEEDS_COMPILER = {m: needs_compiler for m in ("m5", "m6", "m7")}
+NEEDS_COMPILER = {m: needs_compiler for m in ("m5", "m6", "m7", "m8")}
 ORDERED = sorted(LESSONS, key=lambda m: int(m.removeprefix("m")))
 WALKED = (ORDERED[0], ORDERED[-1])  # the first and the last path, walked to the end (why: the docstring)
 
@@ -56,12 +56,15 @@ class Stub:
 
 
 def reference_body(source: str, name: str) -> list[str]:
-    """The lines of the function's body after its docstring: exactly what ``exercise.stub`` removes."""
+    """The lines of the function's body after its docstring, or from the comment lines that open it: exactly what
+    ``exercise.stub`` removes."""
     node = functions(ast.parse(source))[name]
-    body = node.body
+    body, lines = node.body, source.splitlines(keepends=True)
     has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
     begin = body[0].end_lineno if has_docstring else body[0].lineno - 1
-    return source.splitlines(keepends=True)[begin : node.end_lineno]
+    while not has_docstring and begin > node.lineno and lines[begin - 1].lstrip().startswith("#"):
+        begin -= 1
+    return lines[begin : node.end_lineno]
 
 
 def find_stub(lines: list[str], name: str, node: ast.FunctionDef) -> Stub:

@@ -34,6 +34,7 @@ from milestones.exercise import (
     start,
     step_range,
     stub,
+    stub_in_output,
     wrap,
 )
 from tests.conftest import needs_compiler
@@ -242,6 +243,19 @@ def test_a_refusal_raised_on_purpose_is_the_callers_fault(tmp_path):
         1, "stubbed")
     assert owner(((file, call), (file, at["return [0] * n + n.missing"])), tmp_path, lesson) == (1, "grow")
     assert owner(((file, at['raise RuntimeError("needs more blocks")']),), tmp_path, lesson) == (1, "grow")
+
+
+def test_a_stub_that_raised_in_another_process_owns_the_failure():
+    """m8's ranks are processes: a stub that raises in one ends it, and the failure's traceback is rank 0's, in the
+    collective that found it gone; the rank's traceback, printed, names the stub, and its step owns the failure."""
+    lesson = (Step("one", (), "", (Exercise("model.py", "s", ("forward",), ""),)),
+              Step("two", (), "", (Exercise("runner.py", "s", ("Runner.execute", "Runner.execute_shard"), ""),)))
+    output = ("E   RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer\n"
+              "----- Captured stderr call -----\nProcess tensor-parallel-rank-1:\nTraceback (most recent call last):\n"
+              "NotImplementedError: Runner.execute_shard is yours to write (see its TODO in runner.py)\n")
+    assert stub_in_output(output, lesson) == (2, "Runner.execute_shard")
+    assert stub_in_output(output.replace("Runner.execute_shard", "Other.method"), lesson) is None
+    assert stub_in_output(output.splitlines()[0], lesson) is None
 
 
 def test_step_ranges_name_steps_from_one_inclusive():
