@@ -760,3 +760,18 @@ def test_profile_step_sorts_the_time_of_a_decode_step(tiny_model_path, tmp_path)
                "--batch-sizes", "1", "--steps", "6", "--dtype", "bfloat16", "--out", str(out))
     half = json.loads(out.read_text())["rows"][0]
     assert half["bytes_per_step"] * 2 == one["bytes_per_step"]  # weights, keys and values in two bytes, not four
+
+
+def test_tensor_parallel_costs_measure_each_rank_count(tiny_model_path, tmp_path):
+    """One rank meets nobody; two spend part of rank 0's step in gloo's collectives, write their trace, and time a
+    step's message both ways."""
+    out, traces = tmp_path / "costs.json", tmp_path / "traces"
+    run_script("examples/tensor_parallel_costs.py", "--model", str(tiny_model_path), "--sizes", "1,2", "--steps", "4",
+               "--rounds", "1", "--out", str(out), "--trace", str(traces))
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"1", "2"}
+    assert not any(results["1"]["share"].values()) and "message" not in results["1"]
+    assert 0 < results["2"]["share"]["all_reduce"] < 1
+    message = results["2"]["message"]
+    assert message["message_bytes"] > 0 and message["all_reduce_us"] > 0
+    assert {path.name for path in traces.iterdir()} == {"tp1.json", "tp2.json"}
