@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -86,8 +87,14 @@ def test_a_worker_that_hangs_fails_the_step_after_the_timeout(tiny_model_path, m
     assert not worker.is_alive() and not multiprocessing.active_children()
 
 
-def test_two_engines_at_once_each_find_a_free_port(tiny_model_path):
-    with m8.LLM(tiny_model_path, **OPTIONS, tensor_parallel_size=2) as first:
+def test_two_engines_at_once_each_find_a_free_port(tiny_model_path, monkeypatch):
+    """Rank 0's store takes a port the system gives it: a busy MASTER_PORT (torchrun's variable, read only under
+    torchrun) and another engine's port are never in the way."""
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+    with busy, m8.LLM(tiny_model_path, **OPTIONS, tensor_parallel_size=2) as first:
         with m8.LLM(tiny_model_path, **OPTIONS, tensor_parallel_size=2) as second:
             texts = [llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0].outputs[0].text
                      for llm in (first, second)]
