@@ -30,6 +30,13 @@ def reference(tiny_model_path, workload):
         return run(m7, llm, *workload)
 
 
+def test_one_rank_is_m7(tiny_model_path, workload, reference):
+    """tensor_parallel_size=1: no process, no group, every collective a no-op; m7's tokens and log-probabilities."""
+    with m8.LLM(tiny_model_path, **LIMITS) as llm:
+        assert llm.engine.workers is None and llm.engine.runner.tp.compute is None
+        assert_same_outputs(run(m8, llm, *workload), reference, workload[1])
+
+
 def test_two_ranks_overlapped_match_m7(tiny_model_path, workload, reference):
     """Two ranks, the step after next scheduled while one computes (m6), prompts in chunks, n > 1 sharing a prompt's
     blocks, structured outputs, penalties, log-probabilities."""
