@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -124,6 +124,7 @@ class Workers:
     pipes: list[Connection]
     tp: TensorParallel = SINGLE
     threads_before: int | None = None  # the caller's torch thread count, given back on close
+    caller: int = field(default_factory=threading.get_ident)  # the thread that set rank 0's share
 
     def wait_for(self, message: str, timeout: float | None) -> None:
         """Wait until every worker has sent ``message``; if one sends a traceback, dies or is silent for ``timeout``
@@ -164,5 +165,8 @@ class Workers:
                 process.join()
         for pipe in self.pipes:
             pipe.close()
-        if self.threads_before is not None:
+        # A thread's count is its own (OpenMP's): given back only in the thread that lowered it. Closed from another
+        # (a server's engine loop), the process keeps the share, so that every thread runs with the same count (a
+        # step captured by torch.compile in one thread and replayed in another must find the one it was made with).
+        if self.threads_before is not None and threading.get_ident() == self.caller:
             torch.set_num_threads(self.threads_before)
