@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 
@@ -61,10 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def default_size(model_config, device) -> int:
     """The --tensor-parallel-size when none is given (see its help)."""
-    from milestones.m8.distributed import check_tensor_parallel, launched_by_torchrun
+    from milestones.m8.distributed import check_tensor_parallel, torchrun_world_size
 
-    if launched_by_torchrun():
-        return int(os.environ["WORLD_SIZE"])
+    if (world_size := torchrun_world_size()) is not None:
+        return world_size
     import torch
 
     for size in [torch.cuda.device_count()] if device.type == "cuda" else [3, 2]:

@@ -9,7 +9,7 @@ import torch
 from milestones import options
 from milestones.kernels import check_attention_backend, check_linear_backend
 
-from .distributed import launched_by_torchrun
+from .distributed import torchrun_world_size
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -88,7 +88,7 @@ class EngineConfig:
                                  "request's latest token on the host; pass async_scheduling=False or 'auto'")
             overlap = False  # every step waits for the one before it, whose tokens the proposer reads
         # m8: gloo's collectives cannot be compiled into a CPU "graph" (torch.compile): several ranks run eagerly
-        ranks = self.tensor_parallel_size > 1 or launched_by_torchrun()
+        ranks = self.tensor_parallel_size > 1 or torchrun_world_size() == 1  # torchrun's job of one joins a group
         eager = self.enforce_eager or (ranks and device.type == "cpu")
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
                        cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap,

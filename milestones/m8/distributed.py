@@ -34,8 +34,8 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    compute: dist.ProcessGroup | None = None  # the tensors: gloo on a CPU, NCCL on CUDA
-    messages: dist.ProcessGroup | None = None  # a step's host lists, pickled: gloo
+    compute: dist.Backend | None = None  # the tensors: gloo on a CPU, NCCL on CUDA
+    messages: dist.Backend | None = None  # a step's host lists, pickled: gloo
 
     def part(self, total: int) -> range:
         """This rank's equal share of ``total`` heads or columns; rank r takes the r-th."""
@@ -56,6 +56,7 @@ class TensorParallel:
         return range(min(vocab_size, self.rank * per), min(vocab_size, (self.rank + 1) * per))
 
     def vocab_rows(self, vocab_size: int) -> int:
+        """Rows of each rank's embedding and LM head: the vocabulary's share, rounded up."""
         return -(-vocab_size // self.size)
     # --8<-- [end:shares]
 
@@ -119,15 +120,16 @@ def join(store: dist.Store, rank: int, size: int, device: torch.device) -> Tenso
 # --8<-- [end:join]
 
 
-def launched_by_torchrun() -> bool:
-    """Were this process and the others started by ``torchrun`` (which sets these), rather than by the engine?"""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+def torchrun_world_size() -> int | None:
+    """How many processes ``torchrun`` started (it sets these variables); None: this one was not started by it."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return int(os.environ["WORLD_SIZE"]) if all(name in os.environ for name in names) else None
 
 
-def torchrun_store() -> tuple[dist.Store, int, int]:
-    """The store torchrun's rendezvous made (``MASTER_ADDR``/``MASTER_PORT``), this process's rank and their number."""
-    store, rank, size = next(dist.rendezvous("env://"))
-    return store, rank, size
+def torchrun_store() -> tuple[dist.Store, int]:
+    """The store of torchrun's rendezvous (``MASTER_ADDR``/``MASTER_PORT``), and this process's rank."""
+    store, rank, _ = next(dist.rendezvous("env://"))
+    return store, rank
 
 
 # --8<-- [start:check]
@@ -149,7 +151,8 @@ def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, intermed
     if device.type == "cuda":
         if not dist.is_nccl_available():
             raise ValueError("tensor_parallel_size > 1 on CUDA needs NCCL, which this torch build lacks")
-        if not launched_by_torchrun() and size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} needs a GPU per rank; this machine has "
-                             f"{torch.cuda.device_count()}: lower it, or run on device='cpu'")
+        first = device.index or 0  # rank r runs on the GPU r after rank 0's (torchrun: its LOCAL_RANK)
+        if torchrun_world_size() is None and first + size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} from {device} needs GPUs {first} to {first + size - 1}; "
+                             f"this machine has {torch.cuda.device_count()}: lower it, or run on device='cpu'")
 # --8<-- [end:check]

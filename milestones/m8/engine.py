@@ -198,9 +198,15 @@ class LLMEngine:
         except BaseException as error:  # the step raised, or the wait for it was interrupted (Ctrl-C)
             roll_back(launched, self.pending, self.scheduler)
             self.pending = None
-            if self.workers is not None and self.workers.stopped():  # m8: name the rank that exited
-                raise RuntimeError(f"{self.workers.stopped()}, so the step failed: close this LLM and create a new "
-                                   "one") from error
+            if self.workers is not None:  # m8: the ranks may have stopped at different points of the step
+                reason = self.workers.stopped() or "a tensor-parallel step failed"
+                self._stop_worker()  # so the engine takes no more steps,
+                self.workers.broken = True
+                self._stop_workers()  # and no rank waits in a collective the others will never call
+                if not isinstance(error, Exception):  # Ctrl-C stays Ctrl-C
+                    raise
+                raise RuntimeError(f"{reason}, so its ranks were stopped: close this LLM and create a new one "
+                                   f"({error})") from error
             raise
         start = self.tracer.now()
         self.num_steps += 1

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
-from .distributed import SINGLE, TensorParallel, join, launched_by_torchrun, torchrun_store
+from .distributed import SINGLE, TensorParallel, join, torchrun_store, torchrun_world_size
 from .model import ModelConfig
 from .model_runner import ModelRunner
 
@@ -40,18 +41,20 @@ STOP_TIMEOUT = 10.0  # seconds a worker has to finish before it is killed
 # --8<-- [start:start_ranks]
 def start_ranks(config: EngineConfig, model_config: ModelConfig, path: Path) -> Workers | None:
     """Rank 0's handle on the other ranks, with its place among them (None: one rank, no group)."""
-    size = config.tensor_parallel_size
-    if launched_by_torchrun():
-        store, rank, world_size = torchrun_store()
+    size, world_size = config.tensor_parallel_size, torchrun_world_size()
+    # Under torchrun, its processes are the ranks (a job of one too: the NCCL path on one GPU). One rank in a bigger
+    # job is data parallelism, each process an engine of its own: m7 exactly, as without torchrun.
+    if world_size is not None and (size > 1 or world_size == 1):
         if world_size != size:
             raise ValueError(f"torchrun started {world_size} processes but tensor_parallel_size is {size}: "
                              "pass --nproc-per-node (times --nnodes) equal to it")
+        store, rank = torchrun_store()
         tp = join(store, rank, size, config.device)
         if rank > 0:  # every rank but 0 serves steps here and never returns to the script
             serve(replace(config, device=rank_device(config.device, int(os.environ["LOCAL_RANK"]))), model_config,
                   path, tp)
             sys.exit(0)
-        return Workers([], [], tp)  # torchrun's processes: rank 0 only tells them to stop
+        return Workers([], [], tp)  # torchrun's processes: rank 0 waits for them to load, then tells them to stop
     if size == 1:
         return None
     threads = torch.get_num_threads()
@@ -59,18 +62,18 @@ def start_ranks(config: EngineConfig, model_config: ModelConfig, path: Path) -> 
     context = multiprocessing.get_context("spawn")
     workers = Workers([], [], threads_before=threads)
     threads = max(1, threads // size) if config.device.type == "cpu" else threads  # each rank's share of the cores
-    for rank in range(1, size):
-        pipe, child_pipe = context.Pipe()
-        process = context.Process(target=run_worker, name=f"tensor-parallel-rank-{rank}", daemon=True, args=(
-            rank, store.port, replace(config, device=rank_device(config.device, rank)), model_config, path,
-            threads, child_pipe))
-        process.start()
-        child_pipe.close()
-        workers.processes.append(process)
-        workers.pipes.append(pipe)
-    workers.wait_for("started", START_TIMEOUT)
-    torch.set_num_threads(threads)  # rank 0's share too, until close() gives the caller's back
-    try:
+    try:  # whatever fails or is interrupted from here on, no worker is left behind
+        for rank in range(1, size):
+            pipe, child_pipe = context.Pipe()
+            process = context.Process(target=run_worker, name=f"tensor-parallel-rank-{rank}", daemon=True, args=(
+                rank, store.port, replace(config, device=rank_device(config.device, rank)), model_config, path,
+                threads, child_pipe))
+            process.start()
+            child_pipe.close()
+            workers.processes.append(process)
+            workers.pipes.append(pipe)
+        workers.wait_for("started", START_TIMEOUT)
+        torch.set_num_threads(threads)  # rank 0's share too, until close() gives the caller's back
         workers.tp = join(store, 0, size, config.device)
     except BaseException:
         workers.close()
@@ -112,7 +115,9 @@ def serve(config: EngineConfig, model_config: ModelConfig, path: Path, tp: Tenso
     """Under torchrun, every rank but 0: load this rank's shard and run the steps rank 0 sends until it stops."""
     if config.device.type == "cuda":
         torch.cuda.set_device(config.device)
-    ModelRunner(config, model_config, path, tp).serve()
+    runner = ModelRunner(config, model_config, path, tp)
+    tp.messages.barrier().wait()  # loaded: rank 0 sends no step before every rank can take it
+    runner.serve()
 # --8<-- [end:run_worker]
 
 
@@ -125,10 +130,16 @@ class Workers:
     tp: TensorParallel = SINGLE
     threads_before: int | None = None  # the caller's torch thread count, given back on close
     caller: int = field(default_factory=threading.get_ident)  # the thread that set rank 0's share
+    broken: bool = False  # a step failed midway: the ranks are at different points of it, none would read a message
 
     def wait_for(self, message: str, timeout: float | None) -> None:
         """Wait until every worker has sent ``message``; if one sends a traceback, dies or is silent for ``timeout``
-        seconds, stop them all and raise what happened."""
+        seconds, stop them all and raise what happened. Under torchrun (no processes of rank 0's), "ready" is the
+        other ranks' barrier after loading."""
+        if not self.processes:
+            if message == "ready":
+                self.tp.messages.barrier().wait()
+            return
         for rank, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=1):
             try:
                 got = pipe.recv() if wait([pipe, process.sentinel], timeout) and pipe.poll() else None
@@ -152,14 +163,16 @@ class Workers:
         return None
 
     def close(self) -> None:
-        """Tell the workers to stop, give them ``STOP_TIMEOUT`` seconds, then kill any still running."""
-        if self.tp.messages is not None and self.stopped() is None:
+        """Tell the workers to stop, give them ``STOP_TIMEOUT`` seconds, then kill any still running (at once if
+        ``broken``)."""
+        if self.tp.messages is not None and not self.broken and self.stopped() is None:
             try:
                 self.tp.send_step(None)
             except RuntimeError:  # a worker is gone or stuck: the kill below ends the others
                 pass
+        deadline = time.monotonic() + (0.0 if self.broken else STOP_TIMEOUT)  # one for all, not one each
         for process in self.processes:
-            process.join(STOP_TIMEOUT)
+            process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()

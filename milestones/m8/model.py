@@ -221,9 +221,11 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
         super().__init__(tp.vocab_rows(vocab_size), hidden_size)
-        self.token_ids = tp.vocab_part(vocab_size)
+        self.token_ids, self.vocab_size = tp.vocab_part(vocab_size), vocab_size
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if len(self.token_ids) == self.vocab_size:  # one rank holds every token: m7's lookup
+            return super().forward(input_ids)
         local = input_ids - self.token_ids.start
         mine = (local >= 0) & (local < len(self.token_ids))
         return torch.where(mine[:, None], F.embedding(local * mine, self.weight), 0)

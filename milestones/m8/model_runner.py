@@ -187,8 +187,9 @@ class ModelRunner:
         found = {}
         for rows in scored:
             logits = self.logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])  # m8: every rank's
-            chosen = to_device(rows.token_ids, torch.long, self.device)
-            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
+            if self.tp.rank == 0:  # m8: rank 0 alone reports them
+                chosen = to_device(rows.token_ids, torch.long, self.device)
+                found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
         return found
     # --8<-- [end:prompt_logprobs]
 

@@ -132,3 +132,23 @@ def test_no_worker_outlives_its_process(tiny_model_path, tmp_path, ending):
         assert not wait_until_gone(pids, 10), "a worker outlived its engine's process"
     finally:
         process.kill()
+
+
+def test_a_step_that_fails_on_rank_0_stops_every_rank(tiny_model_path):
+    """Rank 0 raises after it sent the step (here in its sampler): the other ranks have computed it, and wait in a
+    collective rank 0 will not call. The engine stops them and says so; it takes no more steps, and no process
+    is left."""
+    llm = m8.LLM(tiny_model_path, **OPTIONS, tensor_parallel_size=2)
+    workers = list(llm.engine.workers.processes)
+
+    def fails(*args, **kwargs):
+        raise ValueError("injected failure in rank 0's sampler")
+
+    llm.engine.runner.sampler = type("Failing", (), {"__call__": fails, "apply_grammars": lambda self, lg, s: lg})()
+    with pytest.raises(RuntimeError, match="a tensor-parallel step failed, so its ranks were stopped.*injected"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert not any(worker.is_alive() for worker in workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    llm.close()
+    assert not multiprocessing.active_children()
