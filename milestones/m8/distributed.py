@@ -8,8 +8,8 @@ tells the other ranks what each step computes (``send_step``) and which tokens i
 a CPU, NCCL on GPUs), with a short timeout so that a rank that hangs is an error within
 seconds; ``messages`` (always gloo, host memory) for a step's plain lists, on which the other
 ranks may wait for the next request as long as the engine stays idle (rank 0's sends time out). One rank (``SINGLE``)
-has no group at all and every collective is nothing: m7 exactly. (Under torchrun even one
-rank joins a group, and its collectives run: that is how one GPU checks the NCCL path.)
+has no group at all and every collective is nothing: m7 exactly. (A torchrun job of one process
+joins a group of one, and its collectives run: that is how one GPU checks the NCCL path.)
 """
 
 from __future__ import annotations
