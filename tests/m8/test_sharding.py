@@ -54,7 +54,6 @@ def assert_close(sharded: list[torch.Tensor], whole: list[torch.Tensor], size: i
         position, token = divmod(difference.argmax().item(), difference.shape[1])
         assert worst <= ATOL, (f"{size} ranks, prompt {p}: logits differ by {worst:.3g} > {ATOL} at position "
                                f"{position}, token {token}")
-        assert torch.equal(got.argmax(-1), want.argmax(-1)) or worst <= ATOL
 
 
 @pytest.mark.parametrize("kind, size", [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen3", 2)])
