@@ -10,6 +10,9 @@
 * ``linear_backend`` (every milestone): linear layers through a compiled kernel over
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
+* ``quantization`` (every milestone): "gguf" keeps the bundled file's 4-bit (Q4_1) and 8-bit (Q8_0) blocks, "int8"
+  makes 8-bit weights at load time; a compiled kernel (``quant_linear.cpp``) makes them float32 in registers as it
+  multiplies (``quantized.py``). CPU and float32 only; refused elsewhere.
 
 The compiled kernels apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them
 where they apply and work, batched attention on CUDA, and the plain-torch reference otherwise.
@@ -27,6 +30,7 @@ from .linear_layers import pack_linear_layers_for, swap_linear_layers
 from .packed_linear import PackedLinear, onednn_available
 from .panel_linear import DTYPES as PANEL_DTYPES
 from .panel_linear import PanelLinear
+from .quantized import QUANTIZATIONS, check_quantization
 
 # auto: the compiled kernel where it applies and builds, batched on CUDA, else torch; batched: anywhere (its plain-torch
 # layout on a CPU, for checking it); triton: CUDA only
@@ -35,7 +39,8 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, 
 
 __all__ = [
     "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "BatchedAttention", "DecodeKernel", "PackedLinear", "PanelLinear",
-    "RaggedBatch", "batched_attention_for", "check_attention_backend", "check_linear_backend", "decode_kernel_for",
+    "QUANTIZATIONS", "RaggedBatch", "batched_attention_for", "check_attention_backend", "check_linear_backend",
+    "check_quantization", "decode_kernel_for",
     "kv_cache_zeros", "load_decode_kernel", "onednn_available", "pack_linear_layers_for", "swap_linear_layers",
 ]
 

@@ -7,7 +7,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import packed_linear, panel_linear, rms_norm
+from . import packed_linear, panel_linear, quantized, rms_norm
 from .huge_pages import move_to_huge_pages
 
 
@@ -27,8 +27,8 @@ def swap_linear_layers(model: nn.Module, fast_layer: type[nn.Module]) -> nn.Modu
 # --8<-- [end:swap]
 
 
-def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
-                           dtype: torch.dtype) -> nn.Module | None:
+def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                           quantization: str | None = None) -> nn.Module | None:
     """Swap the model's linear layers for this (already checked) ``linear_backend``'s; return the LM head to call.
 
     None means the model was left as it is. On a CPU, ``"auto"`` takes the compiled kernel (on a
@@ -36,8 +36,11 @@ def pack_linear_layers_for(backend: str, model: nn.Module, device: torch.device,
     compiled RMS norm (``rms_norm.py``) and each MLP's gate and up in one call (``FusedMLP``); weights packed
     for oneDNN where the kernel cannot be built and oneDNN can pack this dtype; plain
     ``F.linear``, with a warning, where neither is there. ``"onednn"`` and ``"cpp"`` make a
-    missing fast path an error.
+    missing fast path an error. A ``quantization`` ("gguf", "int8": checked by the engine's config to run here)
+    swaps them for quantized layers (``quantized.py``), or fails: it never falls back to float32.
     """
+    if quantization is not None:
+        return quantized.quantize_linear_layers(model, quantization)
     if backend == "torch" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None  # the engine's config already refused "onednn" and "cpp" where they cannot run
     onednn = packed_linear.onednn_available(dtype)

@@ -46,7 +46,8 @@ class ModelRunner:
         self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.sampler = Sampler(config.device)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
-        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype)
+        self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
+                                                     config.quantization)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
         # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
         self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)

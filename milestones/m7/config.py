@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from milestones import options
-from milestones.kernels import check_attention_backend, check_linear_backend
+from milestones.kernels import check_attention_backend, check_linear_backend, check_quantization
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None  # longest prompt + output; None: the model's limit, at most 2048
     seed: int = 0  # seeds the requests that bring no seed of their own
     linear_backend: str = "auto"  # "torch": F.linear (the reference); "onednn": packed; "cpp": CPU panel kernel; "auto"
+    quantization: str | None = None  # "gguf": the bundled file's 4-bit blocks kept; "int8": made at load; CPU
     attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
     #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
     max_num_seqs: int = 16  # requests running at once
@@ -61,6 +62,7 @@ class EngineConfig:
             raise ValueError(f"block_size ({self.block_size}) is larger than max_model_len ({max_len}): no request "
                              "could ever fill a block; use a smaller block_size (16 is the default)")
         check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
+        check_quantization(self.quantization, device, dtype, self.linear_backend)  # another one
         check_attention_backend(self.attention_backend, device, dtype)  # another one
         speculative = self.speculative_config
         if speculative is not None:
