@@ -484,6 +484,10 @@ def graceful_server(config: Any) -> Any:
     return Graceful(config)
 
 
+# milestones.kernels.QUANTIZATIONS, written out so that the command line loads without torch (a test checks them)
+QUANTIZATIONS = ("gguf", "int8")
+
+
 def command_line() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m milestones.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--milestone", choices=MILESTONES, default="m4")
@@ -512,6 +516,9 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="m8: split the model over N ranks, each a process holding a shard of every layer "
                              "(vLLM's flag); N must divide the model's attention heads and MLP width")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="keep the weights quantized: gguf, the bundled file's 4-bit blocks; int8, made at load "
+                             "(CPU, float32)")
     return parser
 
 
@@ -530,6 +537,8 @@ def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         options["speculative_config"] = args.speculative_config
     if args.tensor_parallel_size > 1:  # 1 is every milestone's way: one process, the whole model
         options["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.quantization is not None:  # None: every milestone's way, the weights in the engine's dtype
+        options["quantization"] = args.quantization
     for name, (first, lesson) in LATER_OPTIONS.items():
         if name in options and MILESTONES.index(args.milestone) < MILESTONES.index(first):
             flag = "--" + name.replace("_", "-")

@@ -583,18 +583,23 @@ def test_m8_rows_run_in_ranks_and_skip_a_model_their_ranks_cannot_split(tiny_mod
 
 
 def test_llama_cpp_rows_are_named_not_implied():
-    """'all' leaves llama.cpp out (an optional, compiled extra); 'llama.cpp' names both of its rows."""
+    """'all' leaves llama.cpp out (an optional, compiled extra); 'llama.cpp' names all four of its rows."""
     cli = import_bench("cli")
     assert cli.parse_args(["--engines", "all"]).llama_cpp_rows == []
     args = cli.parse_args(["--engines", "m1@bf16,llama.cpp"])
-    assert args.llama_cpp_rows == ["llama.cpp@f32", "llama.cpp@bf16"] and args.milestones == ["m1@bf16"]
+    assert args.llama_cpp_rows == ["llama.cpp@f32", "llama.cpp@bf16", "llama.cpp@q4_1", "llama.cpp@q8_0"]
+    assert args.milestones == ["m1@bf16"]
+    args = cli.parse_args(["--engines", "m1@gguf,m1@int8,llama.cpp@q8_0"])
+    assert args.llama_cpp_rows == ["llama.cpp@q8_0"]
+    assert [row.engine_options for row in args.milestone_rows] == [{"quantization": "gguf"}, {"quantization": "int8"}]
     proc = subprocess.run([sys.executable, "examples/benchmark.py", "--engines", "llama.cpp@q4"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "llama.cpp@bf16" in proc.stderr
 
 
 def test_the_gguf_for_llama_cpp_holds_the_same_weights_in_its_own_type(tmp_path):
-    """Matrices de-quantized and stored as BF16 (or F32), vectors kept in F32, every metadata entry copied."""
+    """Matrices de-quantized and stored as BF16 (or F32, or Q8_0), vectors kept in F32, every metadata entry
+    copied."""
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
@@ -613,14 +618,17 @@ def test_the_gguf_for_llama_cpp_holds_the_same_weights_in_its_own_type(tmp_path)
     stored = gguf.quants.dequantize(gguf.GGUFReader(source).tensors[0].data, gguf.GGMLQuantizationType.Q8_0)
 
     llama_cpp_rows = import_bench("llama_cpp_rows")
-    for type_name in ("BF16", "F32"):
+    for type_name in ("BF16", "F32", "Q8_0"):
         target = tmp_path / f"{type_name}.gguf"
         llama_cpp_rows.write_gguf(source, target, type_name)
         reader = gguf.GGUFReader(target)
         tensors = {t.name: t for t in reader.tensors}
         up, attn_norm = tensors["blk.0.ffn_up.weight"], tensors["blk.0.attn_norm.weight"]
         assert up.tensor_type.name == type_name and attn_norm.tensor_type.name == "F32"
-        expected = torch.from_numpy(stored).to(torch.bfloat16 if type_name == "BF16" else torch.float32).float()
+        if type_name == "Q8_0":  # the source's Q8_0 values, quantized again: the same blocks
+            expected = torch.from_numpy(stored).float()
+        else:
+            expected = torch.from_numpy(stored).to(torch.bfloat16 if type_name == "BF16" else torch.float32).float()
         assert torch.equal(torch.tensor(gguf.quants.dequantize(up.data, up.tensor_type)).reshape(8, 64), expected)
         assert np.array_equal(attn_norm.data, norm)
         assert reader.fields["llama.block_count"].contents() == 1
@@ -637,7 +645,8 @@ def test_llama_cpp_rows_run_where_llama_cpp_is_installed(tmp_path, rounds):
                "--workloads", "decode", "--runs", "1", "--decode-tokens", "8", "--interleave", str(rounds),
                "--out", str(tmp_path / "b.json"), timeout=600)
     results = {r["engine"]: r for r in json.loads((tmp_path / "b.json").read_text())["results"]}
-    for engine, dtype in (("llama.cpp@f32", "float32"), ("llama.cpp@bf16", "bfloat16")):
+    for engine, dtype in (("llama.cpp@f32", "float32"), ("llama.cpp@bf16", "bfloat16"), ("llama.cpp@q4_1", "Q4_1"),
+                          ("llama.cpp@q8_0", "Q8_0")):
         row = results[engine]
         assert row["status"] == "ok" and row["output_tokens"] == 8 and row["dtype"] == dtype, row
         assert row["threads"] == 1 and row["load_s"] > 0 and row.get("interleaved_rounds") == (rounds or None)

@@ -523,6 +523,23 @@ def test_m8_serves_in_two_ranks_the_tokens_of_one_and_its_shutdown_ends_the_work
     assert [worker.exitcode for worker in workers] == [0], "the worker was killed or failed rather than told to stop"
 
 
+def test_quantization_reaches_the_engine_config(tiny_model_path):
+    """--quantization int8 is the engine's quantization="int8" (the weights made int8 at load); its choices are the
+    kernels' (written out in serve.py, so that the command line loads without torch)."""
+    from milestones import m1
+    from milestones.kernels import QUANTIZATIONS
+
+    parser = command_line()
+    assert parser.parse_args([]).quantization is None  # the default: no quantization, the engine's own default
+    assert {action.dest: action.choices for action in parser._actions}["quantization"] == QUANTIZATIONS
+    args = parser.parse_args(["--milestone", "m1", "--model", str(tiny_model_path), "--quantization", "int8",
+                              *(f"--engine-option={name}={value}" for name, value in LIMITS.items())])
+    llm = load_llm(parser, args)
+    assert llm.engine.config.quantization == "int8"
+    params = m1.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids) == 4  # it runs
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--milestone", "m7", "--tensor-parallel-size", "2"], "--tensor-parallel-size needs --milestone m8 or later"),
     (["--milestone", "m6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
@@ -530,6 +547,8 @@ def test_m8_serves_in_two_ranks_the_tokens_of_one_and_its_shutdown_ends_the_work
     (["--milestone", "m8", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     (["--milestone", "m8", "--tensor-parallel-size", "3", "--engine-option", "device=cpu"],
      "tensor_parallel_size 3 does not divide the model's 4 attention heads: use one of [1, 2, 4]"),
+    (["--milestone", "m1", "--quantization", "gguf", "--engine-option", "device=cpu", "--engine-option",
+      "dtype=bfloat16"], "quantization='gguf' runs on the CPU in float32 only"),
 ])
 def test_a_flag_the_milestone_or_model_cannot_take_is_a_command_line_error(tiny_model_path, capsys, argv, words):
     """Refused as argparse refuses a bad flag (exit 2, the message on stderr), before any worker starts."""

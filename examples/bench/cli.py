@@ -56,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Milestones available: {', '.join(MILESTONES)}. A milestone row may take engine options after "
                f"'@', joined by '+': {', '.join(ROW_OPTIONS)} (e.g. m6@sync, m7@ngram, m7@draft, m2@torch+linear-torch;"
                " m8@tp2 and m8@tp3 run m8's tensor parallelism in 2 or 3 ranks, a process each, and skip, saying why, "
-               "a workload whose model that many ranks cannot split: the bundled model's 9 heads take 3, not 2). "
+               "a workload whose model that many ranks cannot split: the bundled model's 9 heads take 3, not 2; "
+               "m1@gguf runs the bundled file's Q4_1/Q8_0 blocks, m1@int8 per-channel int8 made at load: CPU, "
+               "float32). "
                f"Rows for transformers: {', '.join(HF_ROWS)} "
                "('hf' = all three; hf-generate@bf16 or @fp32 in a dtype of its own). Rows for llama.cpp, only when "
                f"named and installed (pip install -e '.[llama-cpp]'): {', '.join(LLAMA_CPP_ROWS)} "
-               "('llama.cpp' = both).",
+               "('llama.cpp' = all four: the bundled model in F32, in BF16, the bundled Q4_1 file itself, in Q8_0).",
         formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("what to run")

@@ -1,12 +1,15 @@
-"""llama.cpp's rows, the yardstick for a CPU: the same weights as a GGUF in F32 or BF16, batch-1 decode.
+"""llama.cpp's rows, the yardstick for a CPU: the same weights as a GGUF in F32, BF16, Q4_1 or Q8_0, batch-1 decode.
 
 llama.cpp@f32   (decode) llama.cpp through llama-cpp-python, every matrix in float32.
 llama.cpp@bf16  (decode) the same in bfloat16 (norm weights stay float32, as llama.cpp's own converter keeps them).
+llama.cpp@q4_1  (decode) the bundled GGUF itself, unconverted: Q4_1 layers, a Q8_0 embedding (the LM head), the
+                weights mK@gguf runs.
+llama.cpp@q8_0  (decode) every matrix in Q8_0 (norm weights stay float32).
 
 Run only when named in --engines, and only with llama-cpp-python installed
 (``pip install -e ".[llama-cpp]"``, which compiles llama.cpp for this CPU: minutes).
-Both GGUFs are written once from the bundled one, de-quantized to the float32 values
-the milestones load (``model_store``), and cached next to the converted model.
+The F32, BF16 and Q8_0 GGUFs are written once from the bundled one, de-quantized to the float32 values
+the milestones load (``model_store``) then stored in their type, and cached next to the converted model.
 """
 
 from __future__ import annotations
@@ -31,12 +34,16 @@ from .workloads import Setup
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16")
-GGUF_TYPES = {"f32": "F32", "bf16": "BF16"}  # row option -> GGMLQuantizationType name
+LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16", "llama.cpp@q4_1", "llama.cpp@q8_0")
+GGUF_TYPES = {"f32": "F32", "bf16": "BF16", "q4_1": "Q4_1", "q8_0": "Q8_0"}  # row option -> GGMLQuantizationType
+BUNDLED = "q4_1"  # the row that runs the bundled file as it is (its embedding is Q8_0): no GGUF written
+ROW_DTYPES = {"f32": "float32", "bf16": "bfloat16", "q4_1": "Q4_1", "q8_0": "Q8_0"}  # a row's "dtype" in the JSON
+FILE_TYPES = {"F32": "ALL_F32", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0"}  # a written GGUF's LlamaFileType
 
 
 def write_gguf(source: Path, target: Path, type_name: str) -> None:
-    """Copy ``source``'s metadata and tensors into ``target``, every matrix de-quantized and stored as ``type_name``."""
+    """Copy ``source``'s metadata and tensors into ``target``, every matrix de-quantized and stored as ``type_name``
+    (F32, BF16 or Q8_0; vectors stay F32)."""
     import gguf
     import numpy as np
 
@@ -49,7 +56,7 @@ def write_gguf(source: Path, target: Path, type_name: str) -> None:
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
     qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if type_name == "F32" else gguf.LlamaFileType.MOSTLY_BF16)
+    writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[type_name]))
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
         if values.ndim > 1 and qtype != gguf.GGMLQuantizationType.F32:
@@ -64,9 +71,11 @@ def write_gguf(source: Path, target: Path, type_name: str) -> None:
 
 
 def gguf_for(option: str) -> Path:
-    """The bundled model as a GGUF of this row's type, written on first use and cached."""
+    """The bundled model as a GGUF of this row's type, written on first use and cached (Q4_1: the bundled file)."""
     from milestones.model_store import DEFAULT_MODEL, bundled_gguf_path, cache_dir
 
+    if option == BUNDLED:
+        return bundled_gguf_path()
     target = cache_dir() / f"{DEFAULT_MODEL}.{GGUF_TYPES[option]}.gguf"
     if not target.is_file():
         print(f"    writing {target.name} once (de-quantized from the bundled GGUF) ...", flush=True)
@@ -141,4 +150,4 @@ def decode_row(engine: str, llm: Llama, setup: Setup) -> dict:
         runs.append({"wall_s": wall, "tokens_per_s": len(tokens) / wall, "ttft_s": times[0] - begin,
                      "itl_s": inter_token_latency(times[0], times[-1], len(tokens))})
     return new_row("decode", engine, "llama.cpp", num_requests=1, output_tokens=len(tokens), **median_of_runs(runs),
-                   runs=runs, dtype="float32" if engine.endswith("@f32") else "bfloat16", _tokens=[tokens])
+                   runs=runs, dtype=ROW_DTYPES[engine.partition("@")[2]], _tokens=[tokens])

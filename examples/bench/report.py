@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import time
@@ -55,25 +56,52 @@ def memory_bandwidth(device: torch.device, num_bytes: int = 512 * 2**20, repeats
     return num_bytes / best
 
 
+# Bytes a weight of a quantized row: Q8_0 stores 32 one-byte weights and a float16 scale; int8 a byte each (and a
+# scale per output column, too few to count). Q4_1 and mK@gguf run the bundled file's blocks: its bytes are counted.
+QUANTIZED_BYTES = {"Q8_0": 34 / 32, "int8": 1.0}
+BUNDLED_BLOCKS = ("Q4_1", "gguf")  # llama.cpp@q4_1's dtype and mK@gguf's quantization: the bundled file as it is
+
+
 def add_bandwidth_fractions(rows: list[dict], weight_bytes_per_token: int, bandwidth: float,
                             dtype: torch.dtype) -> None:
     """Each decode row's weight bytes read per second over the measured bandwidth (batch 1 only: one token a step).
 
-    ``weight_bytes_per_token`` is in ``dtype``; a row in another dtype (``m1@bf16``) reads its own number of bytes.
+    ``weight_bytes_per_token`` is in ``dtype``; a row in another dtype (``m1@bf16``) reads its own number of bytes,
+    a quantized row (``m1@int8``, ``llama.cpp@q8_0``) its blocks' bytes.
     """
     for row in rows:
         if row["workload"] == "decode" and row["status"] == "ok":
-            row_dtype = row.get("dtype") or (row.get("engine_config") or {}).get("dtype", str(dtype))
-            row_dtype = row_dtype.replace("torch.", "")
-            scale = torch.empty(0, dtype=getattr(torch, row_dtype)).element_size() / dtype.itemsize
-            row["bandwidth_fraction"] = row["output_tokens_per_s"] * weight_bytes_per_token * scale / bandwidth
+            row_bytes = weight_bytes_read(row, weight_bytes_per_token, dtype)
+            row["bandwidth_fraction"] = row["output_tokens_per_s"] * row_bytes / bandwidth
+
+
+def weight_bytes_read(row: dict, weight_bytes_per_token: int, dtype: torch.dtype) -> float:
+    """The weight bytes a row's batch-1 decode reads per token, from its dtype or its quantization."""
+    config = row.get("engine_config") or {}
+    kind = (config.get("quantization") or row.get("dtype") or config.get("dtype", str(dtype))).replace("torch.", "")
+    if kind in BUNDLED_BLOCKS:  # only the bundled model has these rows: the rows of another are errors
+        return bundled_gguf_matrix_bytes()
+    weights = weight_bytes_per_token / dtype.itemsize
+    if kind in QUANTIZED_BYTES:
+        return weights * QUANTIZED_BYTES[kind]
+    return weights * torch.empty(0, dtype=getattr(torch, kind)).element_size()
+
+
+@functools.cache
+def bundled_gguf_matrix_bytes() -> int:
+    """The bytes of the bundled GGUF's matrices (Q4_1 layers, a Q8_0 embedding that is also the LM head)."""
+    import gguf
+
+    from milestones.model_store import bundled_gguf_path
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(bundled_gguf_path()).tensors if len(t.shape) > 1)
 
 
 def print_bandwidth(rows: list[dict], weight_bytes_per_token: int, bandwidth: float) -> None:
     fractions = [f"{r['engine']} {r['bandwidth_fraction']:.0%}" for r in rows if "bandwidth_fraction" in r]
     if fractions:
         print(f"batch-1 decode reads {weight_bytes_per_token / 1e6:.0f} MB of weights per token (--dtype; a row "
-              "in another dtype scales by its element size); this machine sums "
+              "in another dtype scales by its element size, a quantized row counts its blocks); this machine sums "
               f"memory at {bandwidth / 1e9:.1f} GB/s; share of that ceiling reached: {', '.join(fractions)}")
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 MB = 1024 * 1024
 HF_ROWS = ("hf-generate", "hf-static", "hf-continuous")  # transformers' rows; 'hf' on the command line = all three
 ROW_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # hf-generate@bf16: a transformers row in its own dtype
-LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16")  # only when named; 'llama.cpp' on the command line = both
+# only when named; 'llama.cpp' on the command line = all four (llama_cpp_rows.py says what each runs)
+LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16", "llama.cpp@q4_1", "llama.cpp@q8_0")
 HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # hf-continuous: the same budget as m2's defaults
 ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options (EngineConfig field, value)
     "auto": ("attention_backend", "auto"),
@@ -42,6 +43,8 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "tp3": ("tensor_parallel_size", 3),
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
     "fp32": ("dtype", "float32"),
+    "gguf": ("quantization", "gguf"),  # the bundled file's own Q4_1/Q8_0 blocks, kept (CPU, float32)
+    "int8": ("quantization", "int8"),  # per-channel int8 weights, made at load (CPU, float32)
 }
 
 

@@ -244,6 +244,7 @@ void widen_panel(const uint8_t* panel, int64_t k, float* widened) {
   }
 }
 
+// --8<-- [start:multiply]
 // out = x W^T (x: m rows of k), the panels shared out among the threads: a single row four panels at a time, up to
 // TILE_ROWS rows one tile a panel, more rows over each panel made into float32 once.
 template <Format F>
@@ -271,6 +272,7 @@ void multiply(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t pa
     }
   });
 }
+// --8<-- [end:multiply]
 
 int64_t block_bytes(Format format) {
   switch (format) {

@@ -118,6 +118,7 @@ def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales, panels[..., 2:].permute(0, 2, 3, 1).flatten(2)], dim=-1).contiguous()
 
 
+# --8<-- [start:quantize_int8]
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     """Per output column, symmetric: ``q = round(w / s)``, ``s = max |w| / 127``; packed ``[panels, in / 32, 512]``."""
     out_features, in_features = weight.shape
@@ -130,6 +131,7 @@ def quantize_int8(weight: torch.Tensor) -> QuantWeight:
     panels = _panels(q.view(out_features, -1, BLOCK))  # [panels, 16, in / 32, 32]
     packed = panels.permute(0, 2, 3, 1).flatten(2).contiguous().view(torch.uint8)
     return QuantWeight("int8", packed, _panels(scale).flatten().contiguous(), out_features)
+# --8<-- [end:quantize_int8]
 
 
 # --8<-- [start:dequantize]
@@ -150,6 +152,7 @@ def dequantize(weight: QuantWeight) -> torch.Tensor:
 # --8<-- [end:dequantize]
 
 
+# --8<-- [start:gguf_blocks]
 def gguf_blocks(reader, name: str, heads: int = 0) -> tuple[str, torch.Tensor]:
     """One GGUF tensor's block type and blocks ``[out, in / 32, bytes]``; ``heads`` undoes llama.cpp's order of the
     rows of q and k (each head's two halves interleaved, for its RoPE), as transformers does when it loads the file."""
@@ -164,6 +167,7 @@ def gguf_blocks(reader, name: str, heads: int = 0) -> tuple[str, torch.Tensor]:
         out = blocks.shape[0]
         blocks = blocks.view(heads, out // heads // 2, 2, *blocks.shape[1:]).transpose(1, 2).reshape(blocks.shape)
     return kind, blocks
+# --8<-- [end:gguf_blocks]
 
 
 def pack_gguf(blocks: list[tuple[str, torch.Tensor]]) -> QuantWeight:
@@ -328,6 +332,7 @@ class GgufRows:
             parts += [(kind, _pad_rows(b) if pad else b) for kind, b in blocks]
         return pack_gguf(parts)
 
+    # --8<-- [start:check]
     def check(self, name: str, weight: QuantWeight) -> None:
         expected = self.model.get_submodule(name).weight.detach()
         found = dequantize(weight)
@@ -337,6 +342,7 @@ class GgufRows:
             raise ValueError(f"quantization='gguf' keeps the blocks of {self.path.name}, but its tensor for {name} "
                              f"is not this model's weight ({detail}): the file does not hold this model; use "
                              f"quantization='int8' or None")
+    # --8<-- [end:check]
 
 
 def _pad_rows(rows: torch.Tensor) -> torch.Tensor:

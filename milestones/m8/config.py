@@ -91,6 +91,9 @@ class EngineConfig:
             overlap = False  # every step waits for the one before it, whose tokens the proposer reads
         # m8: gloo's collectives cannot be compiled into a CPU "graph" (torch.compile): several ranks run eagerly
         ranks = self.tensor_parallel_size > 1 or torchrun_world_size() == 1  # torchrun's job of one joins a group
+        if ranks and self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} runs in one process: each rank would need its own "
+                             "slice of the blocks; use tensor_parallel_size=1 or quantization=None")
         eager = self.enforce_eager or (ranks and device.type == "cpu")
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
                        cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap,
