@@ -653,6 +653,34 @@ CATALOGUE = (
         "the other ranks read a step's blocks in another order than rank 0: each rank's keys and values of a request "
         "come from different blocks",
     ),
+    Mutation(
+        "q4_1-kernel-nibble-order", "milestones/kernels/quant_linear.cpp",
+        "nibbles(q + j * PANEL, w0, w1);",
+        "nibbles(q + j * PANEL, w1, w0);",
+        ("tests/kernels/test_quant_linear.py::test_outputs_are_panel_linear_s_over_the_de_quantized_weights_bit_for_bit",),
+        "the kernel takes a byte's high 4 bits for the first k of the pair and the low 4 for the second",
+    ),
+    Mutation(
+        "q4_1-kernel-minimum-dropped", "milestones/kernels/quant_linear.cpp",
+        "    w0 = d * w0 + m;",
+        "    w0 = d * w0;",
+        ("tests/kernels/test_quant_linear.py::test_outputs_are_panel_linear_s_over_the_de_quantized_weights_bit_for_bit",),
+        "a Q4_1 weight is made as d * q, forgetting the block's minimum (it is d * q + m)",
+    ),
+    Mutation(
+        "q4_1-packing-nibble-order", "milestones/kernels/quantized.py",
+        "q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)",
+        "q = torch.cat([nibbles >> 4, nibbles & 15], dim=-1)",
+        ("tests/kernels/test_quant_linear.py::test_packed_blocks_de_quantize_to_gguf_py_s_weights",),
+        "the file's byte i is read as weights i + 16 (low bits) and i (high bits): the halves of every block swapped",
+    ),
+    Mutation(
+        "q4_1-dequantize-minimum-dropped", "milestones/kernels/quantized.py",
+        "w = d[:, :, None] * q + m[:, :, None]",
+        "w = d[:, :, None] * q",
+        ("tests/kernels/test_quant_linear.py::test_packed_blocks_de_quantize_to_gguf_py_s_weights",),
+        "the check's de-quantization forgets the minimum, so it compares the file with weights it does not hold",
+    ),
 )
 # --8<-- [end:catalogue]
 
