@@ -784,3 +784,12 @@ def test_tensor_parallel_costs_measure_each_rank_count(tiny_model_path, tmp_path
     message = results["2"]["message"]
     assert message["message_bytes"] > 0 and message["all_reduce_us"] > 0
     assert {path.name for path in traces.iterdir()} == {"tp1.json", "tp2.json"}
+
+
+@pytest.mark.real_model
+def test_quantization_quality_finds_gguf_exact_and_int8_close():
+    """The bundled model's own blocks agree with float32 everywhere (no shift at all); int8 mostly agrees."""
+    out = run_script("examples/quantization_quality.py", timeout=600).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("m1", "llama.cpp"))}
+    assert rows["m1@gguf"][1:4] == ["100.0%", "0.00e+00", "0.00e+00"], out
+    assert float(rows["m1@int8"][1].rstrip("%")) > 90, out
