@@ -79,10 +79,6 @@ class QuantWeight:
     packed: torch.Tensor
     scale: torch.Tensor | None
     out_features: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel() + (0 if self.scale is None else self.scale.numel() * 4)
 # --8<-- [end:packed]
 
 
