@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-# Options whose checks need the machine or another option (device, dtype, lengths, backends, capture sizes).
+# Options whose checks need the machine or another option (device, dtype, lengths, backends, capture sizes,
+# quantization: its kernel runs on the CPU in float32 only).
 CHECKED_BY_RESOLVE = {"model", "device", "dtype", "max_model_len", "linear_backend", "attention_backend",
-                      "cudagraph_capture_sizes"}
+                      "cudagraph_capture_sizes", "quantization"}
 
 
 def test_every_option_has_a_line_in_the_table(mod, milestone):
