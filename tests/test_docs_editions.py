@@ -1,0 +1,185 @@
+"""The Chinese edition keeps in step with the English one (issue 61).
+
+Every English page of mkdocs.yml's nav, but for the measurement log and the notebooks, has its ``.zh.md`` beside it
+(mkdocs-static-i18n's suffix layout), and the two pages share what is not prose:
+
+* the same headings, at the same levels, with the same ids, in the same order (a zh heading keeps the English
+  heading's id with ``{ #id }``, so a link to ``m3.md#block-tables`` lands in either edition);
+* the same snippet includes (``--8<--``), diff markers (``<!-- diff ... -->``) and images, in the same order;
+* the same fenced blocks (code, commands, diagrams), character for character: code is shared, never translated.
+
+And no zh page keeps an English paragraph, list item or table cell: prose of four English words or more has Chinese
+in it. Run it on one page while translating: ``python -m tests.test_docs_editions docs/m3.zh.md``; the English
+page's heading ids: ``python -m tests.test_docs_editions --ids docs/m3.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import markdown
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCS = REPO_ROOT / "docs"
+ENGLISH_ONLY = {"measurements.md"}  # the measurement log: a record of runs, kept in one language
+
+FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})")
+SHARED_LINE = re.compile(r"--8<--.*|<!--\s*(?:diff|changed-files|results)\b.*?-->|!\[[^\]]*\]\([^)]*\)")
+CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
+INLINE_CODE = re.compile(r"(`+).+?\1")
+LINK_TARGET = re.compile(r"\]\([^)]*\)|\{[^}]*\}|<[^>]+>|https?://\S+")
+WORD = re.compile(r"\b[A-Za-z][a-z]+\b")
+
+
+def nav_markdown_pages() -> list[str]:
+    """The .md pages of mkdocs.yml's nav, as paths under docs/."""
+    text = (REPO_ROOT / "mkdocs.yml").read_text()
+    nav = text.split("\nnav:", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^\s*-\s*(?:[^\n]*?:\s+)?\"?([\w/.-]+\.md)\"?\s*$", nav, re.M)
+
+
+def translated_pages() -> list[str]:
+    return [page for page in nav_markdown_pages() if page not in ENGLISH_ONLY]
+
+
+@dataclass(slots=True)
+class Page:
+    """What an edition of a page must share with the other: headings, includes, fenced blocks; and its prose."""
+
+    headings: list[tuple[int, str]]  # (level, id)
+    shared: list[str]  # snippet includes, diff markers, images, in order
+    fences: list[str]  # each fenced block's text, dedented
+    prose: list[str]  # paragraphs, list items and table cells outside fences
+
+
+def headings(text: str) -> list[tuple[int, str]]:
+    """The page's headings as the site's table of contents has them (Python-Markdown's toc, as mkdocs renders)."""
+    md = markdown.Markdown(extensions=["toc", "attr_list", "admonition", "tables", "md_in_html", "def_list",
+                                       "pymdownx.superfences", "pymdownx.details", "pymdownx.tabbed"])
+    md.convert(text)
+    found: list[tuple[int, str]] = []
+
+    def walk(tokens):
+        for token in tokens:
+            found.append((token["level"], token["id"]))
+            walk(token["children"])
+
+    walk(md.toc_tokens)
+    return found
+
+
+def read(path: Path) -> Page:
+    text = path.read_text(encoding="utf-8")
+    shared, fences, prose, block = [], [], [], []
+    fence: tuple[str, str] | None = None  # (indent, marker) of the open fence
+    body: list[str] = []
+    for line in text.splitlines() + [""]:
+        if fence is not None:
+            if line.strip().startswith(fence[1]) and line.strip().strip(fence[1][0]) == "":
+                fences.append("\n".join(body))
+                fence, body = None, []
+            else:
+                body.append(line[len(fence[0]):] if line.startswith(fence[0]) else line.lstrip())
+            continue
+        opened = FENCE.match(line)
+        if opened:
+            fence = (opened.group(1), opened.group(2))
+            body = [line.strip()]  # the opening line keeps the language and options
+            continue
+        shared += [m.group(0).strip() for m in SHARED_LINE.finditer(line)]
+        stripped = line.strip()
+        if stripped.startswith("|"):
+            prose += [cell for cell in stripped.strip("|").split("|")]
+        elif not stripped or stripped.startswith(("#", "- ", "* ", "!!!", "???", "===")) or re.match(r"\d+\. ", stripped):
+            if block:
+                prose.append(" ".join(block))
+            block = [re.sub(r"^([-*]|\d+\.|!!!|\?\?\?\+?|===)\s*", "", stripped)] if stripped and not stripped.startswith("#") else []
+        else:
+            block.append(stripped)
+    if block:
+        prose.append(" ".join(block))
+    return Page(headings(text), shared, fences, prose)
+
+
+def english_prose(text: str) -> bool:
+    """Four English words or more and not one Chinese character: a paragraph left untranslated."""
+    if CJK.search(text):
+        return False
+    text = SHARED_LINE.sub(" ", LINK_TARGET.sub(" ", INLINE_CODE.sub(" ", text)))
+    return len(WORD.findall(text)) >= 4
+
+
+def differences(english: Path, chinese: Path) -> list[str]:
+    """What keeps ``chinese`` from being the zh edition of ``english``, one line each (none: in step)."""
+    if not chinese.exists():
+        return [f"{chinese.name} is missing: every page of the nav has its zh edition"]
+    en, zh = read(english), read(chinese)
+    problems = []
+    if en.headings != zh.headings:
+        for i, (a, b) in enumerate(zip(en.headings + [None] * len(zh.headings), zh.headings + [None] * len(en.headings))):
+            if a != b:
+                problems.append(f"heading {i + 1}: English has {a} (level, id), zh has {b}; give the zh heading "
+                                f"the English id with {{ #id }}")
+                break
+    if en.shared != zh.shared:
+        missing = [s for s in en.shared if s not in zh.shared]
+        extra = [s for s in zh.shared if s not in en.shared]
+        problems.append(f"snippet includes, markers or images differ: missing in zh {missing}, only in zh {extra}"
+                        + ("" if missing or extra else " (the same ones, in another order)"))
+    if en.fences != zh.fences:
+        missing = [f.splitlines()[0:2] for f in en.fences if f not in zh.fences]
+        extra = [f.splitlines()[0:2] for f in zh.fences if f not in en.fences]
+        problems.append(f"fenced blocks differ (code is shared, not translated): missing in zh {missing}, "
+                        f"only in zh {extra}" + ("" if missing or extra else " (the same ones, in another order)"))
+    problems += [f"English prose left in the zh page: {p[:100]!r}" for p in zh.prose if english_prose(p)]
+    return problems
+
+
+@pytest.mark.parametrize("page", translated_pages())
+def test_every_page_has_its_chinese_edition_in_step(page):
+    english = DOCS / page
+    problems = differences(english, english.with_suffix(".zh.md"))
+    assert not problems, f"{page} and its zh edition differ:\n  " + "\n  ".join(problems)
+
+
+def test_no_chinese_page_outside_the_nav():
+    pages = {DOCS / page for page in translated_pages()}
+    strays = [p.relative_to(REPO_ROOT) for p in DOCS.rglob("*.zh.md") if p.with_suffix("").with_suffix(".md") not in pages]
+    assert not strays, f"zh pages with no English page in the nav: {strays}"
+
+
+def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_path):
+    """The check itself: a zh page with one snippet include deleted, or a paragraph left in English, is caught."""
+    english = DOCS / "m3.md"
+    chinese = english.with_suffix(".zh.md")
+    text = chinese.read_text(encoding="utf-8")
+    include = next(line for line in text.splitlines() if "--8<--" in line)
+    dropped = tmp_path / "m3.zh.md"
+    dropped.write_text(text.replace(include + "\n", "", 1), encoding="utf-8")
+    assert any("snippet includes" in p for p in differences(english, dropped))
+    english_paragraph = tmp_path / "m3-english.zh.md"
+    english_paragraph.write_text(text + "\nThis paragraph was left in English by mistake.\n", encoding="utf-8")
+    assert any("English prose" in p for p in differences(english, english_paragraph))
+    assert any("missing" in p for p in differences(english, tmp_path / "absent.zh.md"))
+
+
+if __name__ == "__main__":  # python -m tests.test_docs_editions docs/m3.zh.md [...]; --ids docs/m3.md: its ids
+    if sys.argv[1:2] == ["--ids"]:
+        for name in sys.argv[2:]:
+            for level, anchor in read(Path(name)).headings:
+                print(f"{'#' * level} {{ #{anchor} }}")
+        sys.exit(0)
+    status = 0
+    for name in sys.argv[1:]:
+        chinese = (Path.cwd() / name).resolve()
+        english = chinese.with_name(chinese.name.replace(".zh.md", ".md"))
+        found = differences(english, chinese)
+        print(f"{name}: " + ("in step" if not found else f"{len(found)} problem(s)"))
+        for problem in found:
+            print("  " + problem)
+        status |= bool(found)
+    sys.exit(status)
