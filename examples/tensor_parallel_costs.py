@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import pickle
 import statistics
+import sys
 import time
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _common import HelpFormatter
+from bench.report import machine_info
 from torch.profiler import ProfilerActivity, profile
 
 from milestones import m8
@@ -148,6 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
     threads = torch.get_num_threads()
+    machine = machine_info(torch.device("cpu"))  # what the benchmarks page's results table says of the run
     engines = {size: m8.LLM(args.model, device="cpu", tensor_parallel_size=size, enforce_eager=True, max_num_seqs=4)
                for size in sizes}  # each rank count's ranks stay up, so the rounds interleave
     steps: dict[int, list[float]] = {size: [] for size in sizes}
@@ -171,8 +174,11 @@ def main() -> None:
             results[size]["message"] = message_costs(size, 200)
         print(f"{size} rank(s): {results[size]}", flush=True)
     if args.out is not None:
-        args.out.write_text(json.dumps({"cpu_threads": threads, "model": args.model or "bundled SmolLM2-135M",
-                                        "results": results}, indent=2))
+        args.out.write_text(json.dumps({
+            "created": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": " ".join(["examples/tensor_parallel_costs.py"]
+                                                                                 + sys.argv[1:]),
+            "machine": machine, "cpu_threads": threads, "model": args.model or "bundled SmolLM2-135M",
+            "results": results}, indent=2))
 
 
 if __name__ == "__main__":

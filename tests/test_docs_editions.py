@@ -33,6 +33,8 @@ CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 INLINE_CODE = re.compile(r"(`+).+?\1")
 LINK_TARGET = re.compile(r"\]\([^)]*\)|\{[^}]*\}|<[^>]+>|https?://\S+")
 WORD = re.compile(r"\b[A-Za-z][a-z]+\b")
+BLOCK_START = ("#", "- ", "* ", "!!!", "???", "===")  # a line that starts a new block of prose (or is a heading)
+BLOCK_MARK = re.compile(r"^([-*]|\d+\.|!!!|\?\?\?\+?|===)\s*")
 
 
 def nav_markdown_pages() -> list[str]:
@@ -94,10 +96,10 @@ def read(path: Path) -> Page:
         stripped = line.strip()
         if stripped.startswith("|"):
             prose += [cell for cell in stripped.strip("|").split("|")]
-        elif not stripped or stripped.startswith(("#", "- ", "* ", "!!!", "???", "===")) or re.match(r"\d+\. ", stripped):
+        elif not stripped or stripped.startswith(BLOCK_START) or re.match(r"\d+\. ", stripped):
             if block:
                 prose.append(" ".join(block))
-            block = [re.sub(r"^([-*]|\d+\.|!!!|\?\?\?\+?|===)\s*", "", stripped)] if stripped and not stripped.startswith("#") else []
+            block = [BLOCK_MARK.sub("", stripped)] if stripped and not stripped.startswith("#") else []
         else:
             block.append(stripped)
     if block:
@@ -120,7 +122,8 @@ def differences(english: Path, chinese: Path) -> list[str]:
     en, zh = read(english), read(chinese)
     problems = []
     if en.headings != zh.headings:
-        for i, (a, b) in enumerate(zip(en.headings + [None] * len(zh.headings), zh.headings + [None] * len(en.headings))):
+        padding = [None] * max(len(en.headings), len(zh.headings))
+        for i, (a, b) in enumerate(zip(en.headings + padding, zh.headings + padding)):
             if a != b:
                 problems.append(f"heading {i + 1}: English has {a} (level, id), zh has {b}; give the zh heading "
                                 f"the English id with {{ #id }}")
@@ -148,7 +151,8 @@ def test_every_page_has_its_chinese_edition_in_step(page):
 
 def test_no_chinese_page_outside_the_nav():
     pages = {DOCS / page for page in translated_pages()}
-    strays = [p.relative_to(REPO_ROOT) for p in DOCS.rglob("*.zh.md") if p.with_suffix("").with_suffix(".md") not in pages]
+    strays = [p.relative_to(REPO_ROOT) for p in DOCS.rglob("*.zh.md")
+              if p.with_suffix("").with_suffix(".md") not in pages]
     assert not strays, f"zh pages with no English page in the nav: {strays}"
 
 
