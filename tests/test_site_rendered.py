@@ -1,4 +1,5 @@
-"""Every docs page, as a real browser draws it with no network (issue 18).
+"""Every docs page, in both editions (English and its Chinese under zh/), as a real browser draws it with no network
+(issues 18 and 61).
 
 test_docs_offline.py checks the site's files; this module looks at the pages as rendered. It builds
 the site into a temporary directory, serves it on 127.0.0.1 and loads each page in headless
@@ -69,15 +70,20 @@ VOID_TAGS = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link",
 
 
 def nav_pages() -> list[str]:
-    """The site path of every page in mkdocs.yml's nav ("" for the home page, "m1/", "notebooks/x/")."""
+    """The site path of every page in mkdocs.yml's nav ("" for the home page, "m1/", "notebooks/x/"), then of its
+    Chinese edition's pages ("zh/", "zh/m1/"): every markdown page of the nav, served in English where it has no
+    .zh.md (the notebooks stay in the English site only)."""
     text = (REPO_ROOT / "mkdocs.yml").read_text()
     sources = re.findall(r"^\s*-\s*(?:[^\n]*?:\s+)?\"?([\w/.-]+\.(?:md|ipynb))\"?\s*$", text, re.M)
     assert sources, "found no pages in mkdocs.yml's nav"
-    pages = []
+    pages, chinese = [], []
     for source in sources:
         stem = source.rsplit(".", 1)[0]
-        pages.append("" if stem == "index" else stem.removesuffix("/index") + "/")
-    return pages
+        page = "" if stem == "index" else stem.removesuffix("/index") + "/"
+        pages.append(page)
+        if source.endswith(".md"):
+            chinese.append("zh/" + page)
+    return pages + chinese
 
 
 PAGES = nav_pages()

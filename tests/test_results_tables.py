@@ -1,0 +1,63 @@
+"""The benchmarks page's results tables (docs/hooks/results.py): every cell is the ratio of two rows of its run.
+
+The hook reads the JSON runs at build time; these tests read the same files on their own and check each cell's
+figures, in both editions, and that a claim pointing at a row that is not there stops the build.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from mkdocs.exceptions import PluginError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("results_hook", REPO_ROOT / "docs/hooks/results.py")
+results = sys.modules["results_hook"] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(results)
+
+CLAIMS = [(kind, claim) for kind, claims in results.TABLES.items() for claim in claims
+          if isinstance(claim, results.Claim)]
+
+
+def row_value(claim, engine: str, workload: str) -> float:
+    run = json.loads((REPO_ROOT / results.RUNS / claim.run).read_text())
+    rows = run["results"]
+    if isinstance(rows, dict):  # tensor_parallel_costs.py: rank count -> figures
+        return rows[engine.removeprefix("m8@tp")]["tokens_per_s"]
+    return next(r[claim.metric] for r in rows if r["engine"] == engine and r["workload"] == workload)
+
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+@pytest.mark.parametrize("kind,claim", CLAIMS, ids=[f"{k}-{c.milestone}-{c.row}-{c.workload}-{c.metric}"
+                                                    for k, c in CLAIMS])
+def test_each_cell_is_the_ratio_of_its_two_rows(kind, claim, language):
+    row = row_value(claim, claim.row, claim.workload)
+    baseline = row_value(claim, claim.baseline, claim.baseline_workload or claim.workload)
+    ratio = baseline / row if claim.lower_is_better else row / baseline
+    table = results.results_table(REPO_ROOT, (claim,), language)
+    cell = f"**{ratio:.2f}×**"
+    assert cell in table, f"{claim}: expected {cell} in\n{table}"
+    assert claim.run in table and "examples/" in table, "the run and the command that reproduces it are listed"
+
+
+def test_every_milestone_has_a_line_in_each_table():
+    """A new milestone gets its line (a measured cell, or one that says it is not measured yet); m1 is the GPU
+    table's baseline."""
+    names = [p.name for p in sorted((REPO_ROOT / "milestones").glob("m[0-9]*")) if p.is_dir()]
+    assert names
+    for kind, claims in results.TABLES.items():
+        said = {claim.milestone.split()[0] for claim in claims}
+        assert set(names) - {"m1"} <= said, f"the {kind} table says nothing of {sorted(set(names) - said)}"
+
+
+def test_a_claim_on_a_missing_row_stops_the_build():
+    claim = next(c for _, c in CLAIMS if c.run.endswith("prefix.json"))
+    with pytest.raises(PluginError, match="has no row"):
+        results.results_table(REPO_ROOT, (replace(claim, row="m9"),), "en")
+    with pytest.raises(PluginError, match="does not exist"):
+        results.results_table(REPO_ROOT, (replace(claim, run="gone.json"),), "en")
