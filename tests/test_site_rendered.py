@@ -26,6 +26,7 @@ With no ``chromium`` (or ``chromium-browser``) on PATH the tests are skipped.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import re
 import shutil
@@ -250,3 +251,21 @@ def test_page_renders_offline(page, site, base_url, browser):
     if page.startswith("notebooks/"):
         outputs = [e for e in elements(dom, "jp-OutputArea-output") if e["text"].strip()]
         assert outputs, f"notebook page /{page} shows no cell outputs"
+
+
+def test_both_editions_are_searchable_and_each_page_links_its_other_edition(site):
+    """One search index holds both editions, the Chinese pages cut into words (jieba puts a zero-width space between
+    them, so a search for 分页注意力 finds a sentence that contains it); each page's language switcher leads to the
+    same page in the other language."""
+    index = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))
+    chinese = [doc for doc in index["docs"] if doc["location"].startswith("zh/")]
+    assert chinese, "the search index has no page of the zh edition"
+    assert "zh" in index["config"]["lang"] and "\\u200b" in index["config"]["separator"]
+    assert any("\u200b" in doc["text"] for doc in chinese), "the zh pages' text is not cut into words (jieba missing?)"
+    for page in PAGES:
+        if page.startswith("zh/") or page.startswith("notebooks/"):
+            continue
+        english = (site / page / "index.html").read_text(encoding="utf-8")
+        chinese_page = (site / "zh" / page / "index.html").read_text(encoding="utf-8")
+        assert re.search(r'href="[./]*zh/' + re.escape(page) + r'" hreflang="zh"', english), f"/{page}: no link to zh"
+        assert 'hreflang="en"' in chinese_page, f"/zh/{page}: no link back to the English page"
