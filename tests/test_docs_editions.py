@@ -5,7 +5,8 @@ Every English page of mkdocs.yml's nav, but for the measurement log and the note
 
 * the same headings, at the same levels, with the same ids, in the same order (a zh heading keeps the English
   heading's id with ``{ #id }``, so a link to ``m3.md#block-tables`` lands in either edition);
-* the same snippet includes (``--8<--``), diff markers (``<!-- diff ... -->``) and images, in the same order;
+* the same snippet includes (``--8<--``), diff markers (``<!-- diff ... -->``) and images (the same files; an image's
+  alt text is prose, translated), in the same order;
 * the same fenced blocks (code, commands, diagrams), character for character: code is shared, never translated.
 
 And no zh page keeps an English paragraph, list item or table cell: prose of four English words or more has Chinese
@@ -28,7 +29,8 @@ DOCS = REPO_ROOT / "docs"
 ENGLISH_ONLY = {"measurements.md"}  # the measurement log: a record of runs, kept in one language
 
 FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})")
-SHARED_LINE = re.compile(r"--8<--.*|<!--\s*(?:diff|changed-files|results)\b.*?-->|!\[[^\]]*\]\([^)]*\)")
+SHARED_LINE = re.compile(r"--8<--.*|<!--\s*(?:diff|changed-files|results)\b.*?-->")
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]*)[^)]*\)", re.S)  # its alt text may run over lines
 CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 INLINE_CODE = re.compile(r"(`+).+?\1")
 LINK_TARGET = re.compile(r"\]\([^)]*\)|\{[^}]*\}|<[^>]+>|https?://\S+")
@@ -53,7 +55,7 @@ class Page:
     """What an edition of a page must share with the other: headings, includes, fenced blocks; and its prose."""
 
     headings: list[tuple[int, str]]  # (level, id)
-    shared: list[str]  # snippet includes, diff markers, images, in order
+    shared: list[str]  # snippet includes, diff markers, then the images' files, in order
     fences: list[str]  # each fenced block's text, dedented
     prose: list[str]  # paragraphs, list items and table cells outside fences
 
@@ -104,6 +106,8 @@ def read(path: Path) -> Page:
             block.append(stripped)
     if block:
         prose.append(" ".join(block))
+    outside = re.sub(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", "", text, flags=re.S | re.M)  # fences dropped
+    shared += ["image " + m.group(1) for m in IMAGE.finditer(outside)]
     return Page(headings(text), shared, fences, prose)
 
 
@@ -111,7 +115,7 @@ def english_prose(text: str) -> bool:
     """Four English words or more and not one Chinese character: a paragraph left untranslated."""
     if CJK.search(text):
         return False
-    text = SHARED_LINE.sub(" ", LINK_TARGET.sub(" ", INLINE_CODE.sub(" ", text)))
+    text = LINK_TARGET.sub(" ", SHARED_LINE.sub(" ", INLINE_CODE.sub(" ", text)))
     return len(WORD.findall(text)) >= 4
 
 
