@@ -14,6 +14,8 @@ Two marker lines are replaced, each on a line of its own:
 ``<!-- changed-files m3 -->``
     a bullet list of ``milestones.CHANGED_FILES["m3"]``, new files marked as such.
 
+On a page of the Chinese edition (``m3.zh.md``) the folded block's title and the "new file" mark are in Chinese.
+
 The ``# --8<--`` (and, in C++, ``// --8<--``) snippet-section marker lines are dropped from both files before
 diffing, so the diff shows only code (and pymdownx.snippets never sees them).
 
@@ -35,11 +37,17 @@ from mkdocs.exceptions import PluginError
 
 MARKER = re.compile(r"^[ \t]*<!--[ \t]*(diff|changed-files)\b(.*?)-->[ \t]*$", re.MULTILINE)
 SNIPPET_LINE = re.compile(r"^\s*(#|//)\s*--8<--")
+WORDS = {
+    "en": {"answers": "The diff of {name} (the lesson's answers: open once you have written yours)",
+           "new": " (new file)"},
+    "zh": {"answers": "{name} 的 diff（本课练习的答案：写完自己的版本后再展开）", "new": "（新文件）"},
+}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     root = Path(config.config_file_path).resolve().parent
     where = page.file.src_uri
+    words = WORDS["zh" if where.endswith(".zh.md") else "en"]  # the Chinese edition's page gets its own words
 
     def replace(match: re.Match) -> str:
         kind, args = match.group(1), match.group(2).split()
@@ -47,10 +55,10 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             if kind == "diff":
                 if len(args) != 3:
                     raise PluginError("expected <!-- diff OLD NEW FILE -->")
-                return diff_block(root, *args)
+                return diff_block(root, *args, words)
             if len(args) != 1:
                 raise PluginError("expected <!-- changed-files MILESTONE -->")
-            return changed_files_list(root, args[0])
+            return changed_files_list(root, args[0], words)
         except PluginError as err:
             raise PluginError(f"{where}: marker {match.group(0).strip()!r}: {err}") from None
 
@@ -90,7 +98,7 @@ def code_lines(path: Path) -> list[str]:
     return [line for line in path.read_text(encoding="utf-8").splitlines() if not SNIPPET_LINE.match(line)]
 
 
-def diff_block(root: Path, old: str, new: str, name: str) -> str:
+def diff_block(root: Path, old: str, new: str, name: str, words: dict[str, str]) -> str:
     old_path, new_path = milestone_dir(root, old) / name, milestone_dir(root, new) / name
     if not new_path.is_file():
         raise PluginError(f"{new_path.relative_to(root)} does not exist")
@@ -106,7 +114,7 @@ def diff_block(root: Path, old: str, new: str, name: str) -> str:
     if name not in lesson_files(root, new):
         return "\n".join(block)
     # It holds the bodies a learner of this milestone writes: folded, like the chapter's listings of them.
-    title = f"The diff of {name} (the lesson's answers: open once you have written yours)"
+    title = words["answers"].format(name=name)
     return "\n".join([f'??? example "{title}"', "", *(f"    {line}" if line else "" for line in block)])
 
 
@@ -121,7 +129,7 @@ def lesson_files(root: Path, milestone: str) -> set[str]:
             and isinstance(call.args[0], ast.Constant)}
 
 
-def changed_files_list(root: Path, milestone: str) -> str:
+def changed_files_list(root: Path, milestone: str, words: dict[str, str]) -> str:
     folder = milestone_dir(root, milestone)
     values = milestones_module(root)
     changed = values["CHANGED_FILES"].get(milestone)
@@ -137,5 +145,5 @@ def changed_files_list(root: Path, milestone: str) -> str:
                 f"CHANGED_FILES[{milestone!r}] lists {name}, but milestones/{milestone}/{name} does not exist"
             )
         is_new = previous is None or not (previous / name).is_file()
-        items.append(f"- `{name}`" + (" (new file)" if is_new else ""))
+        items.append(f"- `{name}`" + (words["new"] if is_new else ""))
     return "\n".join(items)
