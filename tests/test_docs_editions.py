@@ -160,6 +160,21 @@ def test_no_chinese_page_outside_the_nav():
     assert not strays, f"zh pages with no English page in the nav: {strays}"
 
 
+def glossary_terms(path: Path) -> list[str]:
+    """The terms of a glossary page: each line followed by a definition (``:   ``)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return [lines[i].strip() for i in range(len(lines) - 1) if lines[i].strip() and lines[i + 1].startswith(":   ")]
+
+
+def test_the_glossary_gives_each_term_in_both_languages():
+    """The English glossary's "Token · 词元" is the Chinese glossary's "Token（词元）": both columns, in both editions."""
+    english, chinese = glossary_terms(DOCS / "glossary.md"), glossary_terms(DOCS / "glossary.zh.md")
+    assert len(english) == len(chinese), f"{len(english)} English terms against {len(chinese)} Chinese ones"
+    for en, zh in zip(english, chinese):
+        term, _, name = en.partition(" · ")
+        assert name and zh == f"{term}（{name}）", f"glossary term {en!r} (English page) against {zh!r} (zh page)"
+
+
 def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_path):
     """The check itself: a zh page with one snippet include deleted, or a paragraph left in English, is caught."""
     english = DOCS / "m3.md"
