@@ -88,6 +88,7 @@ def read(path: Path) -> Page:
                 fence, body = None, []
             else:
                 body.append(line[len(fence[0]):] if line.startswith(fence[0]) else line.lstrip())
+                shared += [m.group(0).strip() for m in SHARED_LINE.finditer(line) if "--8<--" in m.group(0)]
             continue
         opened = FENCE.match(line)
         if opened:
