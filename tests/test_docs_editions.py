@@ -16,6 +16,7 @@ page's heading ids: ``python -m tests.test_docs_editions --ids docs/m3.md``.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass
@@ -168,12 +169,21 @@ def glossary_terms(path: Path) -> list[str]:
 
 
 def test_the_glossary_gives_each_term_in_both_languages():
-    """The English glossary's "Token · 词元" is the Chinese glossary's "Token（词元）": both columns, in both editions."""
+    """The English glossary's "Token · 词元" is the Chinese glossary's "Token（词元）": both terms in both editions."""
     english, chinese = glossary_terms(DOCS / "glossary.md"), glossary_terms(DOCS / "glossary.zh.md")
     assert len(english) == len(chinese), f"{len(english)} English terms against {len(chinese)} Chinese ones"
     for en, zh in zip(english, chinese):
         term, _, name = en.partition(" · ")
         assert name and zh == f"{term}（{name}）", f"glossary term {en!r} (English page) against {zh!r} (zh page)"
+
+
+def test_a_line_break_inside_chinese_text_is_not_drawn_as_a_space():
+    spec = importlib.util.spec_from_file_location("chinese_hook", DOCS / "hooks" / "chinese.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    html = "<p>连续批处理让\n  多个请求共享，\nKV 缓存\nand English\nstays.</p><pre><code>一\n二</code></pre>"
+    joined = "<p>连续批处理让多个请求共享，KV 缓存\nand English\nstays.</p><pre><code>一\n二</code></pre>"
+    assert hook.join_chinese_lines(html) == joined
 
 
 def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_path):
