@@ -30,7 +30,7 @@ DOCS = REPO_ROOT / "docs"
 ENGLISH_ONLY = {"measurements.md"}  # the measurement log: a record of runs, kept in one language
 
 FENCE = re.compile(r"^([ \t]*)(`{3,}|~{3,})")
-SHARED_LINE = re.compile(r"--8<--.*|<!--\s*(?:diff|changed-files|results)\b.*?-->")
+SHARED_LINE = re.compile(r"^\s*--8<--.*|<!--\s*(?:diff|changed-files|results)\b.*?-->")  # an include starts a line
 IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]*)[^)]*\)", re.S)  # its alt text may run over lines
 CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 INLINE_CODE = re.compile(r"(`+).+?\1")
