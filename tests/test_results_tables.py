@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -61,3 +62,38 @@ def test_a_claim_on_a_missing_row_stops_the_build():
         results.results_table(REPO_ROOT, (replace(claim, row="m9"),), "en")
     with pytest.raises(PluginError, match="does not exist"):
         results.results_table(REPO_ROOT, (replace(claim, run="gone.json"),), "en")
+
+
+# Figures the "What the figures say" bullets give that are not in a table cell: each read from its run.
+def extra_figures() -> dict[str, float]:
+    def rows(name):
+        return json.loads((REPO_ROOT / results.RUNS / name).read_text())["results"]
+
+    kv = {r["engine"]: r["kv_reserved_mb"] for r in rows("tight_kv.json")}
+    m5 = next(r for r in rows("gpu/bench-graphs.json") if r["engine"] == "m5" and r["workload"] == "decode")
+    assert kv["m2"] == kv["m3"], "the tight-KV run gives both milestones the same memory"
+    return {"180": kv["m3"], "4.3": 1e3 * m5["itl_mean_s"]}
+
+
+NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)?"
+
+
+def shown(value: float, text: str) -> bool:
+    return abs(value - float(text.replace(",", ""))) < 0.5 * 10 ** -(len(text.partition(".")[2]))
+
+
+@pytest.mark.parametrize("page", ["benchmarks.md", "benchmarks.zh.md"])
+def test_the_summary_under_the_tables_gives_only_the_tables_figures(page):
+    """Every figure in "What the figures say" is a cell of the tables (a ratio or one of its two rows), or one read
+    here from its run: the prose cannot drift from the runs. Small counts (batch sizes, ranks, layers) are words."""
+    text = (REPO_ROOT / "docs" / page).read_text(encoding="utf-8")
+    section = text.split("{ #what-the-figures-say }" if page.endswith(".zh.md") else "### What the figures say")[1]
+    section = section.split("\n## ")[0]
+    tables = results.results_table(REPO_ROOT, results.CPU, "en") + results.results_table(REPO_ROOT, results.GPU, "en")
+    in_tables = set(re.findall(NUMBER, tables))
+    extra = extra_figures()
+    for figure in re.findall(r"(?<![\w.])" + NUMBER, section):
+        if float(figure.replace(",", "")) <= 32 and "." not in figure:
+            continue  # a count: batch sizes, ranks, layers
+        assert figure in in_tables or (figure in extra and shown(extra[figure], figure)), (
+            f"{page}: {figure} in 'What the figures say' is in no table cell and no run this test reads")
