@@ -86,7 +86,7 @@ CPU = (
     Claim("m8", ("3 ranks against 1: a third of the weights a rank, paid for in all-reduces over gloo",
                  "3 个 rank 对比 1 个：每个 rank 只存三分之一的权重，代价是 gloo 上的 all-reduce"),
           "tp-costs-smollm2.json", "decode", "m8@tp3", "m8@tp1"),
-    Claim("m6 @gguf", ("quantized weights (the bundled file's Q4_1) against llama.cpp on the same file",
+    Claim("m6", ("quantized weights (the bundled file's Q4_1) against llama.cpp on the same file",
                  "量化权重（随附文件自带的 Q4_1），对比 llama.cpp 跑同一个文件"),
           "quantized-decode.json", "decode", "m6@gguf", "llama.cpp@q4_1"),
 )
@@ -127,11 +127,11 @@ GPU = (
 TABLES = {"cpu": CPU, "gpu": GPU}
 WORDS = {
     "en": {"head": "| milestone | what its idea buys | measured | the two rows | run |", "times": "×",
-           "vs": "against", "runs": "The runs behind the table:", "machine": "machine", "threads": "torch threads",
-           "model": "model", "unmeasured": "unmeasured"},
+           "vs": "against", "runs": "The runs behind the table:", "machine": "machine: {}", "threads": "torch threads",
+           "cpus": "{} CPUs", "model": "model: {}", "unmeasured": "unmeasured", "and": ", ", "colon": ": "},
     "zh": {"head": "| 里程碑 | 它的思想带来什么 | 测量结果 | 对比的两行 | 运行 |", "times": "×",
-           "vs": "对比", "runs": "表中数字来自以下运行：", "machine": "机器", "threads": "torch 线程数",
-           "model": "模型", "unmeasured": "未测量"},
+           "vs": "对比", "runs": "表中数字来自以下运行：", "machine": "机器：{}", "threads": "torch 线程数",
+           "cpus": "{} 个 CPU", "model": "模型：{}", "unmeasured": "未测量", "and": "，", "colon": "："},
 }
 UNITS = {"output_tokens_per_s": "tok/s", "max_running": "", "prompt_tokens_computed": "", "host_step_ms": "ms"}
 
@@ -198,8 +198,8 @@ def results_table(root: Path, claims: tuple, language: str) -> str:
     lines += ["", words["runs"], ""]
     for number, name in enumerate(used, 1):
         run = load_run(root, name)
-        lines.append(f'{number}. <span id="run-{slug(name)}"></span>[`{name}`](assets/benchmarks/{name}): '
-                     f"{describe(run, words)}")
+        anchor = f'<span id="run-{slug(name)}"></span>'
+        lines.append(f"{number}. {anchor}[`{name}`](assets/benchmarks/{name}){words['colon']}{describe(run, words)}")
         if run.get("command"):
             lines.append(f"    `{run['command']}`")
     return "\n".join(lines) + "\n"
@@ -211,13 +211,14 @@ def slug(name: str) -> str:
 
 def describe(run: dict, words: dict) -> str:
     machine = run.get("machine") or {}
-    where = machine.get("gpu") or machine.get("cpu") or "?"
+    cpus = words["cpus"].format(machine.get("cpu_count", "?"))
     if machine.get("gpu"):
-        where += f" ({machine.get('cpu_count')} CPUs)"
+        where = f"{machine['gpu']} ({cpus})"
     else:
-        where += f", {machine.get('cpu_count', '?')} CPUs, {words['threads']} {machine.get('torch_threads', '?')}"
-    model = (run.get("config") or {}).get("model") or run.get("model") or "?"
-    dtype = (run.get("config") or {}).get("dtype", "")
-    torch = machine.get("torch", "")
-    return ", ".join(x for x in (run.get("created", "")[:10], f"{words['machine']}: {where}", torch,
-                                 f"{words['model']}: {model}", dtype) if x)
+        where = f"{machine.get('cpu', '?')}{words['and']}{cpus}{words['and']}{words['threads']} " \
+                f"{machine.get('torch_threads', '?')}"
+    config = run.get("config") or {}
+    model = config.get("model") or run.get("model") or "?"
+    parts = (run.get("created", "")[:10], words["machine"].format(where), machine.get("torch", ""),
+             words["model"].format(model), config.get("dtype", ""))
+    return words["and"].join(part for part in parts if part)
