@@ -6,7 +6,7 @@ Run from the repository root:
     python examples/benchmark.py --engines m1,hf --workloads decode --runs 5
     python examples/benchmark.py --engines m2,m2@torch+linear-torch,hf-static --workloads mixed --mixed-runs 3
     python examples/benchmark.py --engines m7,m8,m8@tp3 --workloads small   # m8 in one rank, then in three
-    python examples/benchmark.py --docs                  # write the JSON and plot shown in docs/benchmarks.md
+    python examples/benchmark.py --docs                  # write the JSON and plot into docs/assets/benchmarks/
 
 --help lists every flag. The code is the package next to this script, examples/bench/
 (its __init__.py says what each module does); examples/bench_quickstart.py is the same
