@@ -36,8 +36,12 @@ CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 INLINE_CODE = re.compile(r"(`+).+?\1")
 LINK_TARGET = re.compile(r"\]\([^)]*\)|\{[^}]*\}|<[^>]+>|https?://\S+")
 WORD = re.compile(r"\b[A-Za-z][a-z]+\b")
-BLOCK_START = ("#", "- ", "* ", "!!!", "???", "===")  # a line that starts a new block of prose (or is a heading)
-BLOCK_MARK = re.compile(r"^([-*]|\d+\.|!!!|\?\?\?\+?|===)\s*")
+WIDE = re.compile(r"[\u3000-\u303f\u3400-\u9fff\uf900-\ufaff\uff00-\uffef]+")  # Chinese text and punctuation
+QUOTED = re.compile(r'"[^"\n]*"')  # a quotation kept in its language: a prompt, a docstring
+BLOCK_START = ("#", "- ", "* ", "!!!", "???", "===", ":   ")  # a line that starts a new block (or is a heading)
+BLOCK_MARK = re.compile(r"^([-*]|\d+\.|===|:)\s*")
+ADMONITION = re.compile(r'^(?:!!!|\?\?\?\+?)\s*\w+(?:\s+"(.*)")?')
+HEADING = re.compile(r"^#+\s*(.*?)\s*(?:\{[^}]*\})?\s*$")
 
 
 def nav_markdown_pages() -> list[str]:
@@ -103,7 +107,12 @@ def read(path: Path) -> Page:
         elif not stripped or stripped.startswith(BLOCK_START) or re.match(r"\d+\. ", stripped):
             if block:
                 prose.append(" ".join(block))
-            block = [BLOCK_MARK.sub("", stripped)] if stripped and not stripped.startswith("#") else []
+            block = [BLOCK_MARK.sub("", stripped)] if stripped else []
+            if stripped.startswith("#"):  # a heading's text is prose too; its id is compared with the headings
+                block = [HEADING.match(stripped).group(1)]
+            elif stripped.startswith(("!!!", "???")):  # an admonition's title, apart from its body
+                prose.append(ADMONITION.match(stripped).group(1) or "")
+                block = []
         else:
             block.append(stripped)
     if block:
@@ -114,11 +123,13 @@ def read(path: Path) -> Page:
 
 
 def english_prose(text: str) -> bool:
-    """Four English words or more and not one Chinese character: a paragraph left untranslated."""
-    if CJK.search(text):
-        return False
+    """A block left untranslated (four English words or more and no Chinese), or an English sentence inside a
+    Chinese one (six English words or more between two pieces of Chinese text). Code, link targets and quotations
+    in double quotes do not count."""
     text = LINK_TARGET.sub(" ", SHARED_LINE.sub(" ", INLINE_CODE.sub(" ", text)))
-    return len(WORD.findall(text)) >= 4
+    if not CJK.search(text):
+        return len(WORD.findall(text)) >= 4
+    return any(len(WORD.findall(segment)) >= 6 for segment in WIDE.split(QUOTED.sub(" ", text)))
 
 
 def differences(english: Path, chinese: Path) -> list[str]:
@@ -187,7 +198,7 @@ def test_a_line_break_inside_chinese_text_is_not_drawn_as_a_space():
 
 
 def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_path):
-    """The check itself: a zh page with one snippet include deleted, or a paragraph left in English, is caught."""
+    """The check itself: a zh page with one snippet include deleted, or with English left in it, is caught."""
     english = DOCS / "m3.md"
     chinese = english.with_suffix(".zh.md")
     text = chinese.read_text(encoding="utf-8")
@@ -195,10 +206,22 @@ def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_
     dropped = tmp_path / "m3.zh.md"
     dropped.write_text(text.replace(include + "\n", "", 1), encoding="utf-8")
     assert any("snippet includes" in p for p in differences(english, dropped))
-    english_paragraph = tmp_path / "m3-english.zh.md"
-    english_paragraph.write_text(text + "\nThis paragraph was left in English by mistake.\n", encoding="utf-8")
-    assert any("English prose" in p for p in differences(english, english_paragraph))
     assert any("missing" in p for p in differences(english, tmp_path / "absent.zh.md"))
+    heading = next(line for line in text.splitlines() if line.startswith("## "))
+    chinese_line = next(line for line in text.splitlines() if CJK.search(line) and not line.startswith(("#", "|")))
+    left_in_english = {  # each one a mistake a translator makes
+        "a paragraph": text + "\nThis paragraph was left in English by mistake.\n",
+        "a sentence inside a Chinese one": text.replace(
+            chinese_line, chinese_line + " This sentence was left in English by mistake.", 1),
+        "a heading with the right id": text.replace(
+            heading, "## Left in English by mistake " + heading[heading.index("{"):]),
+        "an admonition's title": text + '\n!!! note "Where the project stands"\n    中文的正文。\n',
+        "a definition": text + "\nToken（词元）\n:   The unit a language model reads and writes.\n",
+    }
+    for mistake, page in left_in_english.items():
+        path = tmp_path / "m3-english.zh.md"
+        path.write_text(page, encoding="utf-8")
+        assert any("English prose" in p for p in differences(english, path)), f"{mistake} in English not found"
 
 
 if __name__ == "__main__":  # python -m tests.test_docs_editions docs/m3.zh.md [...]; --ids docs/m3.md: its ids
