@@ -41,8 +41,17 @@ def test_each_cell_is_the_ratio_of_its_two_rows(kind, claim, language):
     baseline = row_value(claim, claim.baseline, claim.baseline_workload or claim.workload)
     ratio = baseline / row if claim.lower_is_better else row / baseline
     table = results.results_table(REPO_ROOT, (claim,), language)
-    cell = f"**{ratio:.2f}×**"
-    assert cell in table, f"{claim}: expected {cell} in\n{table}"
+    line = table.splitlines()[2]  # the header, its rule, then the claim's line
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    unit = {"output_tokens_per_s": " tok/s", "host_step_ms": " ms"}.get(claim.metric, "")
+    words = {"en": ("against", claim.idea[0]), "zh": ("对比", claim.idea[1])}[language]
+    shown = (f"`{claim.row}` {results.figure(row, claim.metric)} {words[0]} `{claim.baseline}` "
+             f"{results.figure(baseline, claim.metric)}")
+    assert cells[:4] == [claim.milestone, words[1], f"**{ratio:.2f}×**", shown], f"{claim}: the line is\n{line}"
+    figures = re.findall(r"` ([\d,.]+)" + re.escape(unit) + r"(?: |$)", cells[3])
+    assert len(figures) == 2 and all(shown_as(value, text) for value, text in zip((row, baseline), figures)), (
+        f"{claim}: {cells[3]!r} does not show {row} and {baseline}{unit}")
+    assert cells[4] == f"[1](#run-{results.slug(claim.run)})", "the cell links the first run of the list"
     assert claim.run in table and "examples/" in table, "the run and the command that reproduces it are listed"
 
 
@@ -52,13 +61,14 @@ def test_every_milestone_has_a_line_in_each_table():
     names = [p.name for p in sorted((REPO_ROOT / "milestones").glob("m[0-9]*")) if p.is_dir()]
     assert names
     for kind, claims in results.TABLES.items():
-        said = {claim.milestone.split()[0] for claim in claims}
-        assert set(names) - {"m1"} <= said, f"the {kind} table says nothing of {sorted(set(names) - said)}"
+        said = {claim.milestone for claim in claims}
+        baseline = {"m1"} if kind == "gpu" else set()
+        assert set(names) - baseline <= said, f"the {kind} table says nothing of {sorted(set(names) - said)}"
 
 
 def test_a_claim_on_a_missing_row_stops_the_build():
     claim = next(c for _, c in CLAIMS if c.run.endswith("prefix.json"))
-    with pytest.raises(PluginError, match="has no row"):
+    with pytest.raises(PluginError, match="has 0 rows"):
         results.results_table(REPO_ROOT, (replace(claim, row="m9"),), "en")
     with pytest.raises(PluginError, match="does not exist"):
         results.results_table(REPO_ROOT, (replace(claim, run="gone.json"),), "en")
@@ -78,8 +88,9 @@ def extra_figures() -> dict[str, float]:
 NUMBER = r"\d+(?:,\d{3})*(?:\.\d+)?"
 
 
-def shown(value: float, text: str) -> bool:
-    return abs(value - float(text.replace(",", ""))) < 0.5 * 10 ** -(len(text.partition(".")[2]))
+def shown_as(value: float, text: str) -> bool:
+    """``text`` is ``value`` rounded as a table shows it (to its last digit)."""
+    return abs(value - float(text.replace(",", ""))) <= 0.5 * 10 ** -len(text.partition(".")[2]) + 1e-9
 
 
 @pytest.mark.parametrize("page", ["benchmarks.md", "benchmarks.zh.md"])
@@ -87,13 +98,13 @@ def test_the_summary_under_the_tables_gives_only_the_tables_figures(page):
     """Every figure in "What the figures say" is a cell of the tables (a ratio or one of its two rows), or one read
     here from its run: the prose cannot drift from the runs. Small counts (batch sizes, ranks, layers) are words."""
     text = (REPO_ROOT / "docs" / page).read_text(encoding="utf-8")
-    section = text.split("{ #what-the-figures-say }" if page.endswith(".zh.md") else "### What the figures say")[1]
-    section = section.split("\n## ")[0]
+    assert "{ #what-the-figures-say }" in text or "### What the figures say\n" in text, f"{page} has no summary"
+    section = re.split(r"### (?:What the figures say|.*\{ #what-the-figures-say \})\n", text)[1].split("\n## ")[0]
     tables = results.results_table(REPO_ROOT, results.CPU, "en") + results.results_table(REPO_ROOT, results.GPU, "en")
     in_tables = set(re.findall(NUMBER, tables))
     extra = extra_figures()
     for figure in re.findall(r"(?<![\w.])" + NUMBER, section):
         if float(figure.replace(",", "")) <= 32 and "." not in figure:
             continue  # a count: batch sizes, ranks, layers
-        assert figure in in_tables or (figure in extra and shown(extra[figure], figure)), (
+        assert figure in in_tables or (figure in extra and shown_as(extra[figure], figure)), (
             f"{page}: {figure} in 'What the figures say' is in no table cell and no run this test reads")

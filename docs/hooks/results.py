@@ -75,6 +75,9 @@ CPU = (
           "cpu-speed-f32-561d828.json", "decode", "m6", "llama.cpp@f32"),
     Claim("m6", ("batch-1 decode against llama.cpp BF16", "batch 1 解码，对比 llama.cpp BF16"),
           "cpu-speed-bf16-561d828-c.json", "decode", "m6", "llama.cpp@bf16"),
+    Claim("m6", ("quantized weights (the bundled file's Q4_1) against llama.cpp on the same file",
+                 "量化权重（随附文件自带的 Q4_1），对比 llama.cpp 跑同一个文件"),
+          "quantized-decode.json", "decode", "m6@gguf", "llama.cpp@q4_1"),
     Claim("m7", ("prompt lookup on grounded text (answers that copy the prompt), batch 1",
                  "提示词查找，grounded 文本（回答抄写提示词），batch 1"),
           "m7-batch1.json", "grounded", "m7@ngram", "m6"),
@@ -86,9 +89,6 @@ CPU = (
     Claim("m8", ("3 ranks against 1: a third of the weights a rank, paid for in all-reduces over gloo",
                  "3 个 rank 对比 1 个：每个 rank 只存三分之一的权重，代价是 gloo 上的 all-reduce"),
           "tp-costs-smollm2.json", "decode", "m8@tp3", "m8@tp1"),
-    Claim("m6", ("quantized weights (the bundled file's Q4_1) against llama.cpp on the same file",
-                 "量化权重（随附文件自带的 Q4_1），对比 llama.cpp 跑同一个文件"),
-          "quantized-decode.json", "decode", "m6@gguf", "llama.cpp@q4_1"),
 )
 
 GPU = (
@@ -156,24 +156,24 @@ def load_run(root: Path, name: str) -> dict:
         raise PluginError(f"results: {RUNS}/{name} does not exist")
     run = json.loads(path.read_text())
     if isinstance(run.get("results"), dict):  # examples/tensor_parallel_costs.py's format: rank count -> figures
-        run["results"] = [{"workload": "decode", "engine": f"m8@tp{n}", "output_tokens_per_s": r["tokens_per_s"]}
+        run["results"] = [{"workload": "decode", "engine": f"m8@tp{n}", "output_tokens_per_s": r.get("tokens_per_s")}
                           for n, r in run["results"].items()]
     return run
 
 
 def value(run: dict, name: str, claim: Claim, workload: str) -> float:
-    for row in run["results"]:
-        if row["workload"] == workload and row["engine"] == name:
-            if row.get(claim.metric) is None:
-                raise PluginError(f"results: {claim.run} row {name} on {claim.workload} has no {claim.metric}")
-            return float(row[claim.metric])
-    raise PluginError(f"results: {claim.run} has no row {name!r} on workload {workload!r}")
+    rows = [row for row in run["results"] if row["workload"] == workload and row["engine"] == name]
+    if len(rows) != 1:
+        raise PluginError(f"results: {claim.run} has {len(rows)} rows {name!r} on workload {workload!r}, not one")
+    if rows[0].get(claim.metric) is None:
+        raise PluginError(f"results: {claim.run} row {name} on {workload} has no {claim.metric}")
+    return float(rows[0][claim.metric])
 
 
 def figure(number: float, metric: str) -> str:
     unit = UNITS[metric]
-    text = f"{number:,.0f}" if number >= 1000 or metric != "output_tokens_per_s" and number == int(number) else (
-        f"{number:.2f}" if number < 10 else f"{number:.1f}")
+    whole = number >= 1000 or (metric != "output_tokens_per_s" and number == int(number))  # counts, thousands
+    text = f"{number:,.0f}" if whole else f"{number:.2f}" if number < 10 else f"{number:.1f}"
     return f"{text} {unit}".strip()
 
 
