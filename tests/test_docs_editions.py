@@ -7,7 +7,8 @@ Every English page of mkdocs.yml's nav, but for the measurement log and the note
   heading's id with ``{ #id }``, so a link to ``m3.md#block-tables`` lands in either edition);
 * the same snippet includes (``--8<--``), diff markers (``<!-- diff ... -->``) and images (the same files; an image's
   alt text is prose, translated), in the same order;
-* the same fenced blocks (code, commands, diagrams), character for character: code is shared, never translated.
+* the same fenced blocks (code, commands, diagrams), character for character: code is shared, never translated;
+* the same figures in each section (numbers from 10 up and decimals, a count of millions in either language's unit).
 
 And no zh page keeps an English paragraph, list item or table cell: prose of four English words or more has Chinese
 in it. Run it on one page while translating: ``python -m tests.test_docs_editions docs/m3.zh.md``; the English
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +43,8 @@ QUOTED = re.compile(r'"[^"\n]*"')  # a quotation kept in its language: a prompt,
 BLOCK_START = ("#", "- ", "* ", "!!!", "???", "===", ":   ")  # a line that starts a new block (or is a heading)
 BLOCK_MARK = re.compile(r"^([-*]|\d+\.|===|:)\s*")
 ADMONITION = re.compile(r'^(?:!!!|\?\?\?\+?)\s*\w+(?:\s+"(.*)")?')
+FIGURE = re.compile(r"(?<![\w.\-/#])(\d+(?:,\d{3})*(?:\.\d+)*)(\s*(?:million|billion|万|亿)|M(?![A-Za-z]))?")
+SCALES = {"million": 1e6, "M": 1e6, "billion": 1e9, "万": 1e4, "亿": 1e8}  # 28 million is 2,800 万
 HEADING = re.compile(r"^#+\s*(.*?)\s*(?:\{[^}]*\})?\s*$")
 
 
@@ -63,6 +67,7 @@ class Page:
     shared: list[str]  # snippet includes, diff markers, then the images' files, in order
     fences: list[str]  # each fenced block's text, dedented
     prose: list[str]  # paragraphs, list items and table cells outside fences
+    figures: list[Counter]  # the figures of each section (before the first heading, then under each), in order
 
 
 def headings(text: str) -> list[tuple[int, str]]:
@@ -83,7 +88,7 @@ def headings(text: str) -> list[tuple[int, str]]:
 
 def read(path: Path) -> Page:
     text = path.read_text(encoding="utf-8")
-    shared, fences, prose, block = [], [], [], []
+    shared, fences, prose, block, sections = [], [], [], [], [[]]
     fence: tuple[str, str] | None = None  # (indent, marker) of the open fence
     body: list[str] = []
     for line in text.splitlines() + [""]:
@@ -102,6 +107,10 @@ def read(path: Path) -> Page:
             continue
         shared += [m.group(0).strip() for m in SHARED_LINE.finditer(line)]
         stripped = line.strip()
+        if stripped.startswith("#"):
+            sections.append([])
+        else:
+            sections[-1].append(line)
         if stripped.startswith("|"):
             prose += [cell for cell in stripped.strip("|").split("|")]
         elif not stripped or stripped.startswith(BLOCK_START) or re.match(r"\d+\. ", stripped):
@@ -119,7 +128,23 @@ def read(path: Path) -> Page:
         prose.append(" ".join(block))
     outside = re.sub(r"^([ \t]*)(`{3,}|~{3,}).*?^\1\2[ \t]*$", "", text, flags=re.S | re.M)  # fences dropped
     shared += ["image " + m.group(1) for m in IMAGE.finditer(outside)]
-    return Page(headings(text), shared, fences, prose)
+    return Page(headings(text), shared, fences, prose, [figures("\n".join(lines)) for lines in sections])
+
+
+def figures(text: str) -> Counter:
+    """The figures of some prose that a translation must keep: decimals and numbers from 100 up, a count of millions
+    in either language's unit (28 million, 2,800 万), outside code, link targets, ids and comments."""
+    text = re.sub(r"<!--.*?-->|\]\([^)]*\)|\{[^}]*\}|https?://\S+", " ", INLINE_CODE.sub(" ", text), flags=re.S)
+    found: Counter = Counter()
+    for match in FIGURE.finditer(SHARED_LINE.sub(" ", text)):
+        shown, unit = match.group(1), (match.group(2) or "").strip()
+        if shown.count(".") > 1:  # a version: 2.13.0
+            found[shown] += 1
+            continue
+        number = float(shown.replace(",", "")) * SCALES.get(unit, 1)
+        if number >= 10 or "." in shown:
+            found[f"{number:.6g}"] += 1
+    return found
 
 
 def english_prose(text: str) -> bool:
@@ -155,6 +180,11 @@ def differences(english: Path, chinese: Path) -> list[str]:
         extra = [f.splitlines()[0:2] for f in zh.fences if f not in en.fences]
         problems.append(f"fenced blocks differ (code is shared, not translated): missing in zh {missing}, "
                         f"only in zh {extra}" + ("" if missing or extra else " (the same ones, in another order)"))
+    names = ["(before the first heading)"] + [anchor for _, anchor in en.headings]
+    for name, a, b in zip(names, en.figures, zh.figures):
+        if a != b:
+            problems.append(f"figures differ under {name!r}: only in English {sorted(a - b)}, "
+                            f"only in the zh page {sorted(b - a)} (every figure stays, in its section)")
     problems += [f"English prose left in the zh page: {p[:100]!r}" for p in zh.prose if english_prose(p)]
     return problems
 
@@ -201,7 +231,8 @@ def test_a_line_break_inside_chinese_text_is_not_drawn_as_a_space():
 
 
 def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_path):
-    """The check itself: a zh page with one snippet include deleted, or with English left in it, is caught."""
+    """The check itself: a zh page with one snippet include deleted, a figure changed, or English left in it, is
+    caught."""
     english = DOCS / "m3.md"
     chinese = english.with_suffix(".zh.md")
     text = chinese.read_text(encoding="utf-8")
@@ -221,6 +252,9 @@ def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_
         "an admonition's title": text + '\n!!! note "Where the project stands"\n    中文的正文。\n',
         "a definition": text + "\nToken（词元）\n:   The unit a language model reads and writes.\n",
     }
+    changed_figure = tmp_path / "m3-figure.zh.md"
+    changed_figure.write_text(text.replace("46,080", "46,081", 1), encoding="utf-8")
+    assert any("figures differ" in p and "46080" in p for p in differences(english, changed_figure))
     for mistake, page in left_in_english.items():
         path = tmp_path / "m3-english.zh.md"
         path.write_text(page, encoding="utf-8")
