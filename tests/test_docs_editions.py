@@ -26,6 +26,7 @@ from pathlib import Path
 
 import markdown
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS = REPO_ROOT / "docs"
@@ -49,10 +50,21 @@ HEADING = re.compile(r"^#+\s*(.*?)\s*(?:\{[^}]*\})?\s*$")
 
 
 def nav_markdown_pages() -> list[str]:
-    """The .md pages of mkdocs.yml's nav, as paths under docs/."""
-    text = (REPO_ROOT / "mkdocs.yml").read_text()
-    nav = text.split("\nnav:", 1)[1].split("\n\n", 1)[0]
-    return re.findall(r"^\s*-\s*(?:[^\n]*?:\s+)?\"?([\w/.-]+\.md)\"?\s*$", nav, re.M)
+    """The .md pages of mkdocs.yml's nav, as paths under docs/ (read as YAML; its python tags read as nothing)."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
+    config = yaml.load((REPO_ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+
+    def walk(item) -> list[str]:
+        if isinstance(item, str):
+            return [item] if item.endswith(".md") else []
+        values = item.values() if isinstance(item, dict) else item
+        return [page for value in values for page in walk(value)]
+
+    return walk(config["nav"])
 
 
 def translated_pages() -> list[str]:

@@ -16,7 +16,7 @@ Three kinds of source:
 A figure is found on the English page by a regex around it (``§`` marks the figure), and must equal what its source
 gives, formatted as the page writes it (or, for an "about", lie within a tolerance of it). The Chinese edition
 (``docs/X.zh.md``) carries the same figures: each figure the English page shows must be on it too (a number word as
-its Chinese numeral, a count of millions in 万 or 亿). A page whose Chinese edition is not written yet is skipped.
+its Chinese numeral, a count of millions in 万 or 亿). Every page in scope has its Chinese edition.
 
 A figure that fails here is stale, or its source moved: fix the page (both editions) or, where the page is right and
 the run or the code changed on purpose, the page's figure with it. A figure no source holds (a timing by hand that no
@@ -63,7 +63,7 @@ def editions(page: str) -> list:
 
 def read(path: Path) -> str:
     if not path.is_file():
-        pytest.skip(f"{path.relative_to(REPO_ROOT)} is not written yet")
+        pytest.fail(f"{path.relative_to(REPO_ROOT)} is missing (tests/test_docs_editions.py says which pages need one)")
     return path.read_text(encoding="utf-8")
 
 
