@@ -242,6 +242,22 @@ def test_a_line_break_inside_chinese_text_is_not_drawn_as_a_space():
     assert hook.join_chinese_lines(tagged) == expected
 
 
+def test_the_diff_hook_writes_its_words_in_the_pages_language():
+    """A zh page's folded answers and "new file" marks are in Chinese, an English page's in English."""
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("diffs_hook", DOCS / "hooks" / "diffs.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    lesson = sorted(hook.lesson_files(REPO_ROOT, "m3"))[0]
+    markdown = f"<!-- diff m2 m3 {lesson} -->\n\n<!-- changed-files m3 -->\n"
+    config = SimpleNamespace(config_file_path=str(REPO_ROOT / "mkdocs.yml"))
+    expected = {"m3.md": ("the lesson's answers", "(new file)"), "m3.zh.md": ("本课练习的答案", "（新文件）")}
+    for page, words in expected.items():
+        out = hook.on_page_markdown(markdown, SimpleNamespace(file=SimpleNamespace(src_uri=page)), config, None)
+        assert all(word in out for word in words), f"{page}: {out[:200]}"
+
+
 def test_the_check_finds_a_missing_include_a_missing_page_and_english_prose(tmp_path):
     """The check itself: a zh page with one snippet include deleted, a figure changed, or English left in it, is
     caught."""
