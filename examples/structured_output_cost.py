@@ -22,9 +22,9 @@ import torch
 from transformers import AutoTokenizer
 
 from milestones.m1.sampler import Sampler
-from milestones.m1.sampling_params import StructuredOutputsParams
-from milestones.m1.structured_output import StructuredOutputManager, grammar_source
 from milestones.model_store import resolve_model
+from milestones.serving.sampling_params import StructuredOutputsParams
+from milestones.serving.structured_output import StructuredOutputManager, grammar_source
 
 VOCAB = 49152
 SCHEMA = {"type": "object", "properties": {

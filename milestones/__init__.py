@@ -4,8 +4,10 @@
 changes from the previous one (new files included). Every other file must stay
 byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
 checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
-Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all, as does
-the plumbing every milestone uses alike (``options``, ``transfer``, ``trace``, ``model_store``).
+Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all; serving features
+that are no lesson (the ``LLM`` front end, ``SamplingParams``, n > 1, structured output, request outputs)
+live in ``milestones.serving``; and so does the plumbing every milestone uses alike (``options``,
+``transfer``, ``trace``, ``model_store``).
 """
 
 import os
@@ -21,8 +23,7 @@ CHANGED_FILES: dict[str, set[str]] = {
            "engine.py", "step.py"},
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting,
     # a request's n samples sharing its prompt
-    "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py",
-           "outputs.py", "parallel_sampling.py"},
+    "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py"},
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace

@@ -6,13 +6,14 @@ the engine's outputs to an ``Answer``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
+
+from milestones.serving.sampling_params import MAX_LOGPROBS, InvalidParam, SamplingParams, StructuredOutputsParams
 
 # OpenAI's parameters this server honours (`user`, `store` and `metadata` are bookkeeping, accepted and unused); any
 # other is refused, rather than silently ignored, unless it holds the value that asks for nothing (NO_OPS).
@@ -39,7 +40,11 @@ ALWAYS_NO_OP = {"parallel_tool_calls", "service_tier"}  # meaningless without to
 
 
 class BadRequest(ValueError):
-    """Input the server refuses (HTTP 400); its message says what to change."""
+    """Input the server refuses (HTTP 400); its message says what to change, ``param`` which parameter (or None)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFound(BadRequest):
@@ -58,7 +63,7 @@ class Job:
     echo: bool = False  # a completion's text and log-probabilities start with its prompt's
 
 
-def parse_request(body: object, chat: bool, model_name: str, sampling_params: type) -> Job:
+def parse_request(body: object, chat: bool, model_name: str) -> Job:
     """A request body checked and turned into a Job; BadRequest (HTTP 400) says what to change."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
@@ -66,17 +71,18 @@ def parse_request(body: object, chat: bool, model_name: str, sampling_params: ty
     honoured = CHAT_KEYS if chat else COMPLETION_KEYS
     unknown = sorted(set(body) - honoured - set(NO_OPS) - ALWAYS_NO_OP)
     if unknown:
-        raise BadRequest(f"unsupported parameter(s) {', '.join(unknown)}: remove them")
+        raise BadRequest(f"unsupported parameter(s) {', '.join(unknown)}: remove them", unknown[0])
     for key in sorted(set(body) & set(NO_OPS) - honoured):
         if not any(_same(body[key], value) for value in NO_OPS[key]):
             allowed = " or ".join(json.dumps(value) for value in NO_OPS[key])
             raise BadRequest(f"{key} {json.dumps(body[key])} is not supported by this server: send {allowed} "
-                             "(or leave it out)")
+                             "(or leave it out)", key)
     if body.get("model", model_name) != model_name:
-        raise ModelNotFound(f"model {body['model']!r} is not served here; this server serves {model_name!r}")
+        raise ModelNotFound(f"model {body['model']!r} is not served here; this server serves {model_name!r}", "model")
     stream, options = body.get("stream", False), body.get("stream_options", {})
     if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise BadRequest("stream must be true or false, and stream_options an object such as {\"include_usage\": true}")
+        raise BadRequest("stream must be true or false, and stream_options an object such as {\"include_usage\": true}",
+                         "stream" if not isinstance(stream, bool) else "stream_options")
     if chat:
         prompts = [chat_prompt(body.get("messages"))]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -89,15 +95,29 @@ def parse_request(body: object, chat: bool, model_name: str, sampling_params: ty
     settings["logprobs"] = requested_logprobs(body, chat)
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
-        raise BadRequest(f"echo must be true or false, got {echo!r}")
+        raise BadRequest(f"echo must be true or false, got {echo!r}", "echo")
     if echo and settings["logprobs"] is not None:  # lm-eval's loglikelihood: the prompt's tokens scored
         settings["prompt_logprobs"] = settings["logprobs"]
     try:
-        settings["structured_outputs"] = structured_outputs(body.get("response_format"), sampling_params)
-        params = sampling_params(max_tokens=max_tokens, **settings)
+        settings["structured_outputs"] = structured_outputs(body.get("response_format"))
+        params = SamplingParams(max_tokens=max_tokens, **settings)
+    except BadRequest:  # response_format's own refusal, which names it already
+        raise
+    except InvalidParam as err:
+        raise BadRequest(str(err), openai_param(err.param, chat, body)) from None
     except (TypeError, ValueError) as err:
         raise BadRequest(str(err)) from None
     return Job(prompts, params, stream, bool(options.get("include_usage")) and stream, chat, echo)
+
+
+def openai_param(name: str, chat: bool, body: object) -> str:
+    """The request's own name for a parameter the engine refused (OpenAI's ``param``)."""
+    if chat and name == "prompt":
+        return "messages"
+    if chat and name == "max_tokens" and isinstance(body, dict) and "max_completion_tokens" in body:
+        return "max_completion_tokens"
+    return {"structured_outputs": "response_format", "choice": "response_format",
+            "prompt_logprobs": "logprobs"}.get(name, name)  # prompt_logprobs: echo's, asked for by logprobs
 
 
 def requested_logprobs(body: dict, chat: bool) -> int | None:
@@ -109,26 +129,29 @@ def requested_logprobs(body: dict, chat: bool) -> int | None:
     if not chat:
         return None if flag is False else flag  # the engine checks the number
     if not isinstance(flag, bool):
-        raise BadRequest(f"logprobs must be true or false in a chat (top_logprobs says how many), got {flag!r}")
+        raise BadRequest(f"logprobs must be true or false in a chat (top_logprobs says how many), got {flag!r}",
+                         "logprobs")
     if top not in (None, 0) and not flag:
-        raise BadRequest("top_logprobs needs logprobs: true")
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise BadRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}] (how many of the likeliest tokens to "
+                         f"return besides the chosen one), got {top!r}", "top_logprobs")
     return (0 if top is None else top) if flag else None
 
 
-def structured_outputs(response_format: object, sampling_params: type) -> Any:
+def structured_outputs(response_format: object) -> StructuredOutputsParams | None:
     """OpenAI's response_format as the engine's StructuredOutputsParams (None: plain text)."""
     if response_format is None or response_format == {"type": "text"}:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
-    structured = importlib.import_module(sampling_params.__module__).StructuredOutputsParams  # the milestone's own
     if kind == "json_object":
-        return structured(json_object=True)
+        return StructuredOutputsParams(json_object=True)
     if kind == "json_schema" and isinstance(response_format.get("json_schema"), dict):
         schema = response_format["json_schema"].get("schema")
         if isinstance(schema, dict):
-            return structured(json=schema)
+            return StructuredOutputsParams(json=schema)
     raise BadRequest('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                     '"json_schema": {"name": ..., "schema": {...}}}')
+                     '"json_schema": {"name": ..., "schema": {...}}}', "response_format")
 
 
 def _same(given: object, value: object) -> bool:
@@ -146,7 +169,8 @@ def completion_prompts(prompt: object) -> list[str | list[int]]:
     if isinstance(prompt, list) and prompt and all(
             isinstance(p, str) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p)) for p in prompt):
         return list(prompt)  # a batch: a choice per prompt, in order (lm-eval sends token ids this way)
-    raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either (a choice each)")
+    raise BadRequest("prompt must be a string, a list of token ids, or a non-empty list of either (a choice each)",
+                     "prompt")
 
 
 class Answer:
@@ -272,7 +296,7 @@ class ChatPrompt:
         try:
             text = tokenizer.apply_chat_template(self.messages, tokenize=False, add_generation_prompt=True)
         except Exception as err:  # the template's own checks (roles that must alternate, ...)
-            raise BadRequest(f"the chat template refused the conversation: {err}") from None
+            raise BadRequest(f"the chat template refused the conversation: {err}", "messages") from None
         return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -285,7 +309,7 @@ def chat_prompt(messages: object) -> ChatPrompt:
 def _message_list(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects")
+        raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects", "messages")
     return messages
 
 
@@ -300,9 +324,9 @@ def text_content(message: dict, index: int) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise BadRequest(f"messages[{index}] has a content part of type {kind!r}: this server reads text "
-                                 "only; send parts such as {'type': 'text', 'text': '...'}")
+                                 "only; send parts such as {'type': 'text', 'text': '...'}", "messages")
         return "\n".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise BadRequest("messages must be a non-empty list of {'role': ..., 'content': '...'} objects (content: a "
-                         f"string or a list of text parts); messages[{index}] has content {content!r}")
+                         f"string or a list of text parts); messages[{index}] has content {content!r}", "messages")
     return content

@@ -45,7 +45,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from milestones import MILESTONES
 from milestones.engine_loop import EngineLoop, Prompt, ServerBusy, Stream
 from milestones.metrics import ServerMetrics, snapshot
-from milestones.openai_api import Answer, BadRequest, ChatPrompt, ModelNotFound, parse_request, usage_chunk, whole
+from milestones.openai_api import (
+    Answer,
+    BadRequest,
+    ChatPrompt,
+    ModelNotFound,
+    openai_param,
+    parse_request,
+    usage_chunk,
+    whole,
+)
+from milestones.serving.prompts import tokenize_prompt
+from milestones.serving.sampling_params import InvalidParam
 
 logger = logging.getLogger(__name__)
 RETRY_AFTER_SECONDS = 1  # a 503's Retry-After: a busy server frees places as requests finish, within seconds
@@ -83,8 +94,6 @@ class Tokenizing:
     def __init__(self, llm: Any, max_waiting: int) -> None:
         self.source, self.engine = llm.tokenizer, llm.engine
         self.max_waiting, self.waiting = max_waiting, 0  # prompts queued or being tokenized: bounded, like the engine
-        self.tokenize_prompt = importlib.import_module(f"{type(llm).__module__.rsplit('.', 1)[0]}.prompts"
-                                                       ).tokenize_prompt  # the milestone's own rules and messages
         self.pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="tokenize")
         self.local = threading.local()
         # No token covers more characters than the longest string in the vocabulary, so a text longer than that many
@@ -96,10 +105,10 @@ class Tokenizing:
         if isinstance(prompt, list):
             if len(prompt) >= limit:  # checked here, not id by id on the engine's thread
                 raise BadRequest(f"prompt has {len(prompt)} tokens but max_model_len is {limit}: shorten the prompt "
-                                 "(it must leave room for one generated token)")
+                                 "(it must leave room for one generated token)", "prompt")
         elif (size := prompt.chars if isinstance(prompt, ChatPrompt) else len(prompt)) > self.max_chars:
             raise BadRequest(f"the prompt is {size:,} characters, more than any {limit} tokens (max_model_len) can "
-                             "hold: shorten it")
+                             "hold: shorten it", "messages" if isinstance(prompt, ChatPrompt) else "prompt")
         if self.waiting >= self.max_waiting:
             raise ServerBusy(f"{self.waiting} prompts are waiting to be tokenized: retry later")
         self.waiting += 1
@@ -113,14 +122,13 @@ class Tokenizing:
             self.local.tokenizer = copy.deepcopy(self.source)
         if isinstance(prompt, ChatPrompt):
             return prompt(self.local.tokenizer)
-        return self.tokenize_prompt(self.local.tokenizer, prompt, self.engine.model_config.vocab_size)
+        return tokenize_prompt(self.local.tokenizer, prompt, self.engine.model_config.vocab_size)
 
 
 def create_app(llm: Any, model_name: str, limits: Limits = Limits(), api_key: str | None = None) -> FastAPI:
     """An app that serves ``llm`` (any milestone's ``LLM``) as ``model_name``; the app closes it when it stops.
     ``limits`` bounds each request; with ``api_key``, the ``/v1`` routes answer 401 to a caller whose
     ``Authorization: Bearer`` header does not carry it."""
-    sampling_params = importlib.import_module(type(llm).__module__).SamplingParams  # the milestone's own
     metrics = ServerMetrics(model_name)
     engine_loop, tokenizing = EngineLoop(llm, limits.max_requests, metrics), Tokenizing(llm, limits.max_requests)
     token_texts = llm.tokenizer.batch_decode([[token] for token in range(len(llm.tokenizer))])  # for log-probabilities
@@ -146,14 +154,16 @@ def create_app(llm: Any, model_name: str, limits: Limits = Limits(), api_key: st
             for stream in streams:
                 engine_loop.release(stream)  # aborts it if it did not finish
 
+        body: object = None
         try:
-            job = parse_request(await read_json(request, limits), chat, model_name, sampling_params)
+            body = await read_json(request, limits)
+            job = parse_request(body, chat, model_name)
             check_cost(len(job.prompts), job.params, limits)
             for prompt in job.prompts:
                 streams.append(await engine_loop.submit(await tokenizing(prompt), job.params, arrived))
         except Exception as err:
             release()  # the prompts of a batch taken before one was refused
-            return refusal(err)
+            return refusal(err, chat, body)
         echoed = [(prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)) if job.echo else ""
                   for prompt in job.prompts]
         n = job.params.n  # choices: each prompt's n samples, prompt after prompt
@@ -215,7 +225,7 @@ def create_app(llm: Any, model_name: str, limits: Limits = Limits(), api_key: st
     async def model(model_id: str) -> Response:
         if model_id != model_name:
             return error(404, f"model {model_id!r} is not served here; this server serves {model_name!r}",
-                         "model_not_found")
+                         "model_not_found", "model")
         return JSONResponse(card)
 
     @app.exception_handler(StarletteHTTPException)
@@ -225,7 +235,7 @@ def create_app(llm: Any, model_name: str, limits: Limits = Limits(), api_key: st
         response.headers.update(exc.headers or {})  # a 405 says which methods the route takes (Allow)
         return response
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # HEAD: a probe's headers without the body, as GET's
     async def prometheus() -> Response:
         """Prometheus' text format: the counts and latencies so far, and the engine's state now (vLLM's names)."""
         try:
@@ -234,7 +244,7 @@ def create_app(llm: Any, model_name: str, limits: Limits = Limits(), api_key: st
             return error(503, str(err))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine_loop.is_alive():
             return error(503, "the engine loop has stopped")
@@ -318,16 +328,17 @@ def check_cost(prompts: int, params: Any, limits: Limits) -> None:
     rather than 503 after part of it has run."""
     n = params.n
     if len(params.stop) > limits.max_stop:
-        raise BadRequest(f"stop has {len(params.stop)} strings; this server takes at most {limits.max_stop}")
+        raise BadRequest(f"stop has {len(params.stop)} strings; this server takes at most {limits.max_stop}", "stop")
     if n > limits.max_n:
-        raise BadRequest(f"n is {n}; this server gives at most {limits.max_n} samples of a prompt")
+        raise BadRequest(f"n is {n}; this server gives at most {limits.max_n} samples of a prompt", "n")
     if prompts * n > limits.max_requests:
         raise BadRequest(f"this request asks for {prompts} prompt(s) x n={n} = {prompts * n} sequences, more than "
-                         f"this server ever runs at once ({limits.max_requests}, --max-requests): split it")
+                         f"this server ever runs at once ({limits.max_requests}, --max-requests): split it", "n")
 
 
-def refusal(err: Exception) -> JSONResponse:
-    """The answer to a request the server could not take, by the reason."""
+def refusal(err: Exception, chat: bool = False, body: object = None) -> JSONResponse:
+    """The answer to a request the server could not take, by the reason; an error of the engine's that names a
+    parameter names it as the request (a chat's or a completion's ``body``) spelled it."""
     if isinstance(err, json.JSONDecodeError):
         return error(400, f"the body is not valid JSON: {err}")
     if isinstance(err, (BodyTooLarge, BodyTimeout)):  # the rest of the body is not read: the connection ends here
@@ -335,9 +346,10 @@ def refusal(err: Exception) -> JSONResponse:
         response.headers["Connection"] = "close"
         return response
     if isinstance(err, ModelNotFound):
-        return error(404, str(err), "model_not_found")
+        return error(404, str(err), "model_not_found", "model")
     if isinstance(err, ValueError):  # BadRequest, or the engine refusing the request (too long, bad tokens, ...)
-        return error(400, str(err))
+        param = openai_param(err.param, chat, body) if isinstance(err, InvalidParam) else getattr(err, "param", None)
+        return error(400, str(err), param=param)  # param: the parameter to change, when one is at fault
     if isinstance(err, ServerBusy):
         response = error(503, str(err))
         response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
@@ -390,10 +402,11 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-def error(status: int, message: str, code: str | None = None) -> JSONResponse:
-    """An error in OpenAI's shape: message, type, param and code (a name such as ``model_not_found``, or None)."""
+def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    """An error in OpenAI's shape: message, type, param (the request's parameter at fault, or None) and code (a name
+    such as ``model_not_found``, or None)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
                         status_code=status)
 
 

@@ -183,7 +183,7 @@ CATALOGUE = (
         "a request asking for its prompt's log-probabilities takes cached blocks, whose tokens then have no score",
     ),
     Mutation(
-        "m1-samples-share-a-seed", "milestones/m1/parallel_sampling.py",
+        "m1-samples-share-a-seed", "milestones/serving/parallel_sampling.py",
         "            seed += index\n", "",
         ("tests/m1/test_parallel_sampling.py::test_sample_i_is_the_request_alone_with_seed_plus_i",),
         "every sample of a seeded request gets the request's seed, so n samples are one sample n times",

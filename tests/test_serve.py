@@ -108,38 +108,66 @@ def test_models_and_health(served, request):
         assert {"num_draft_tokens", "num_accepted_tokens", "acceptance_rate"} <= set(health["speculation"])
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"{not json", "not valid JSON"),
-    (b'["a", "list"]', "JSON object"),
-    (b'{"prompt": "hi", "temperature": -1}', "temperature"),
-    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens"),
-    (b'{"prompt": "hi", "top_p": 2}', "top_p"),
-    (b'{"prompt": "hi", "logprobs": 30}', "logprobs must be None or in [0, 20]"),
-    (b'{"prompt": "hi", "n": 0}', "n must be an integer >= 1"),
-    (b'{"prompt": "hi", "response_format": {"type": "xml"}}', "response_format must be"),
+@pytest.mark.parametrize("body, message, param", [
+    (b"{not json", "not valid JSON", None),
+    (b'["a", "list"]', "JSON object", None),
+    (b'{"prompt": "hi", "temperature": -1}', "temperature", "temperature"),
+    (b'{"prompt": "hi", "max_tokens": 0}', "max_tokens", "max_tokens"),
+    (b'{"prompt": "hi", "top_p": 2}', "top_p", "top_p"),
+    (b'{"prompt": "hi", "logprobs": 30}', "logprobs must be None or in [0, 20]", "logprobs"),
+    (b'{"prompt": "hi", "n": 0}', "n must be an integer >= 1", "n"),
+    (b'{"prompt": "hi", "response_format": {"type": "xml"}}', "response_format must be", "response_format"),
     (b'{"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": '
-     b'{"type": "frob"}}}}', "structured_outputs: Invalid type: frob"),
-    (b'{"prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty must be in [-2, 2]"),
-    (b'{"prompt": "hi", "echo": 1}', "echo must be true or false"),
-    (b'{"prompt": "hi", "logit_bias": {"5": 1}}', "logit_bias"),
-    (b'{"prompt": "hi", "guided_json": {}}', "unsupported parameter(s) guided_json"),
-    (b'{"prompt": ""}', "empty"),
-    (b'{"prompt": []}', "prompt must be"),
-    (b'{"prompt": ["a", 3]}', "prompt must be"),
-    (b'{"prompt": [1, 2, 99999999]}', "token ids must be in"),
-    (b'{"prompt": {"a": 1}}', "prompt must be"),
-    (b'{"prompt": "' + b"word " * 400 + b'"}', "max_model_len"),
-    (b'{"prompt": "hi", "stream": "false"}', "stream must be true or false"),
-    (b'{"prompt": "hi", "stream_options": true}', "stream_options an object"),
+     b'{"type": "frob"}}}}', "structured_outputs: Invalid type: frob", "response_format"),
+    (b'{"prompt": "hi", "frequency_penalty": 2.5}', "frequency_penalty must be in [-2, 2]", "frequency_penalty"),
+    (b'{"prompt": "hi", "echo": 1}', "echo must be true or false", "echo"),
+    (b'{"prompt": "hi", "logit_bias": {"5": 1}}', "logit_bias", "logit_bias"),
+    (b'{"prompt": "hi", "guided_json": {}}', "unsupported parameter(s) guided_json", "guided_json"),
+    (b'{"prompt": ""}', "empty", "prompt"),
+    (b'{"prompt": []}', "prompt must be", "prompt"),
+    (b'{"prompt": ["a", 3]}', "prompt must be", "prompt"),
+    (b'{"prompt": [1, 2, 99999999]}', "token ids must be in", "prompt"),
+    (b'{"prompt": {"a": 1}}', "prompt must be", "prompt"),
+    (b'{"prompt": "' + b"word " * 400 + b'"}', "max_model_len", "prompt"),
+    (b'{"prompt": "hi", "stream": "false"}', "stream must be true or false", "stream"),
+    (b'{"prompt": "hi", "stream_options": true}', "stream_options an object", "stream_options"),
 ])
-def test_bad_input_gets_400_with_the_engines_message_and_the_server_serves_on(served, body, message):
+def test_bad_input_gets_400_with_the_engines_message_and_the_server_serves_on(served, body, message, param):
+    """The message says what to change, and ``param`` (OpenAI's) names the parameter at fault, where there is one."""
     url, app, texts, _ = served
     response = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == param, response.text
     answer = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
     assert answer.choices[0].text == texts[0].text
     assert app.state.engine_loop.num_in_flight == 0
+
+
+@pytest.mark.parametrize("change, message, param", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20]", "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs needs logprobs: true", "top_logprobs"),
+    ({"logprobs": 3}, "logprobs must be true or false in a chat", "logprobs"),
+    ({"max_completion_tokens": 0}, "max_tokens must be an integer >= 1", "max_completion_tokens"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1", "max_tokens"),
+    ({"messages": []}, "messages must be a non-empty list", "messages"),
+    ({"model": "gpt-4"}, "is not served here", "model"),
+])
+def test_a_refused_chat_names_the_parameter_as_the_request_spelled_it(served, change, message, param):
+    """A chat's parameters have names of their own (top_logprobs, max_completion_tokens): an error names those."""
+    url, _, _, _ = served
+    body = {"messages": [{"role": "user", "content": "Hello there"}], **change}
+    error = httpx.post(f"{url}/v1/chat/completions", json=body).json()["error"]
+    assert message in error["message"] and error["param"] == param, error
+
+
+def test_head_asks_the_metrics_and_health_routes_what_get_does(served):
+    """A probe that sends HEAD gets GET's status and headers, and no body."""
+    url, _, _, _ = served
+    for route in ("/metrics", "/health"):
+        got, head = httpx.get(f"{url}{route}"), httpx.head(f"{url}{route}")
+        assert head.status_code == got.status_code == 200, (route, head.status_code, head.text)
+        assert head.headers["content-type"] == got.headers["content-type"] and head.content == b""
 
 
 def test_null_parameters_mean_the_defaults(served):
@@ -325,7 +353,7 @@ def test_n_samples_are_choices_prompt_after_prompt(served):
     whole; the prompt counts once in the usage."""
     url, app, _, _ = served
     llm = app.state.engine_loop.llm
-    mod = importlib.import_module(type(llm).__module__.rsplit(".", 1)[0])
+    mod = importlib.import_module(type(llm).__module__)  # the milestone whose LLM it is
     settings = dict(temperature=1.0, max_tokens=8, seed=11, ignore_eos=True)
     expected = [llm.generate(p, mod.SamplingParams(**settings, n=3), use_tqdm=False)[0] for p in PROMPTS[:2]]
     body = {"prompt": PROMPTS[:2], "n": 3, **settings}

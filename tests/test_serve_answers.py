@@ -1,7 +1,8 @@
 """The serve page's table of bad requests is the server's own answers: each probe is sent, and the table must match.
 
-``docs/assets/serve-answers.md`` (included by docs/serve.md) lists, for each probe, the status
-and the message the server gives. This test sends every probe to a real server (m2 on the tiny
+``docs/assets/serve-answers.md`` (included by docs/serve.md) lists, for each probe, the status,
+the parameter named as at fault (OpenAI's ``param``) and the message the server gives. This
+test sends every probe to a real server (m2 on the tiny
 model, with small limits so that each one is cheap to reach) and compares the table it builds
 with the committed one, so the page cannot drift from the server. After a deliberate change:
 
@@ -38,6 +39,8 @@ PROBES: dict[str, tuple[str, str, object]] = {
     "`temperature: -1`": ("POST", COMPLETIONS, {"prompt": "hi", "temperature": -1}),
     "`top_p: 2`": ("POST", COMPLETIONS, {"prompt": "hi", "top_p": 2}),
     "`max_tokens: 0`": ("POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}),
+    "`top_logprobs: 21` in a chat": ("POST", CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                   "top_logprobs": 21}),
     "a prompt longer than `max_model_len` (256 here)": ("POST", COMPLETIONS, {"prompt": list(range(5, 305))}),
     "another model's name": ("POST", COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}),
     "an unknown route": ("GET", "/v1/engines", None),
@@ -45,19 +48,21 @@ PROBES: dict[str, tuple[str, str, object]] = {
 }
 
 
-def answer(client: httpx.Client, method: str, route: str, body: object) -> tuple[int, str]:
+def answer(client: httpx.Client, method: str, route: str, body: object) -> tuple[int, str, str]:
     content = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
     response = client.request(method, route, content=content, headers={"content-type": "application/json"})
-    message = response.json()["error"]["message"] if response.status_code >= 400 else "(served)"
-    return response.status_code, message
+    if response.status_code < 400:
+        return response.status_code, "", "(served)"
+    error = response.json()["error"]
+    return response.status_code, "" if error["param"] is None else f"`{error['param']}`", error["message"]
 
 
 def render(rows: list[tuple[str, int, str]]) -> str:
     lines = ["<!-- written by tests/test_serve_answers.py from the server's answers: do not edit by hand -->",
-             "| request | status | message |", "|---|---|---|"]
-    for situation, status, message in rows:
+             "| request | status | param | message |", "|---|---|---|---|"]
+    for situation, status, param, message in rows:
         shown = message if len(message) <= 240 else message[:237] + "..."
-        lines.append(f"| {situation} | {status} | {shown.replace('|', '&#124;')} |")
+        lines.append(f"| {situation} | {status} | {param} | {shown.replace('|', '&#124;')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -70,7 +75,7 @@ def test_the_pages_table_is_what_the_server_answers(tiny_model_path):
     table = render(rows)
     if os.environ.get("REFRESH_SERVE_ANSWERS"):
         TABLE.write_text(table)
-    assert all(400 <= status < 500 for _, status, _ in rows), f"a probe was not refused as a client's mistake: {rows}"
+    assert all(400 <= status < 500 for _, status, *_ in rows), f"a probe was not refused as a client's mistake: {rows}"
     if TABLE.read_text() != table:
         pytest.fail(f"{TABLE.name} is not what the server answers now; rerun with REFRESH_SERVE_ANSWERS=1 after a "
                     f"deliberate change. The server's table:\n{table}")

@@ -11,49 +11,19 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from milestones.serving.outputs import Logprob, RequestMetrics
+from milestones.serving.sampling_params import SamplingParams
+
 from .detokenizer import IncrementalDetokenizer
-from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only for type hints
-    from .structured_output import Grammar
+    from milestones.serving.structured_output import Grammar
 
 
 class SequenceStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    """Wall-clock timestamps (``time.perf_counter``) of a request's life."""
-
-    arrival_time: float = field(default_factory=time.perf_counter)
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finished_time: float | None = None
-    num_output_tokens: int = 0
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        """Seconds from arrival to the first generated token (queueing included)."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Tokens generated after the first one, per second of decoding."""
-        if self.num_output_tokens < 2 or self.last_token_time == self.first_token_time:
-            return None
-        return (self.num_output_tokens - 1) / (self.last_token_time - self.first_token_time)
-
-
-@dataclass(slots=True, frozen=True)
-class Logprob:
-    """A token's log-probability under the model, before penalties and temperature, and its rank (1: the likeliest)."""
-
-    logprob: float
-    rank: int
 
 
 @dataclass(slots=True, eq=False)

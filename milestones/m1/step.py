@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .sequence import Logprob, Sequence
+from milestones.serving.outputs import Logprob
+
+from .sequence import Sequence
 
 if TYPE_CHECKING:  # only for type hints
     import torch

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.serving.outputs import Logprob
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler, ranked_logprobs
-from .sequence import Logprob
 from .step import ModelInputs, PromptLogprobRows, ScheduledBatch, StepOutput
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from milestones.serving.outputs import Logprob
 from milestones.transfer import to_device
 
-from .sequence import Logprob, Sequence
+from .sequence import Sequence
 from .step import SampledToken
 
 

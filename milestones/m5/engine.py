@@ -19,18 +19,18 @@ import time
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
+from milestones.serving.outputs import RequestOutput
+from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
+from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
+from milestones.serving.sampling_params import SamplingParams, checked_params
+from milestones.serving.structured_output import StructuredOutputManager
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .model import ModelConfig
 from .model_runner import ModelRunner
-from .outputs import RequestOutput
-from .parallel_sampling import ParentRequest, ParentRequests
-from .prompts import Prompt, eos_token_ids, tokenize_prompt
-from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .structured_output import StructuredOutputManager
 
 
 # --8<-- [start:serialized]
@@ -64,20 +64,9 @@ class LLMEngine:
     @serialized
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Validate and queue one request; return its id."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params = checked_params(params)
         token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
-        limit = self.config.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
-                             "shorten the prompt (it must leave room for one generated token)")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len ({limit}): "
-                f"lower max_tokens to at most {limit - len(token_ids)}, "
-                "or pass max_tokens=None to stop at the context limit"
-            )
+        check_length(len(token_ids), params.max_tokens, self.config.max_model_len)
         request_id = self._new_request_id() if request_id is None else str(request_id)
         children = [ParentRequest.child_id(request_id, index) for index in range(params.n)] if params.n > 1 else []
         if any(self._in_use(r) for r in [request_id, *children]):

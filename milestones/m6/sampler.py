@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from milestones.serving.outputs import Logprob
 from milestones.transfer import to_device
 
 from .future_map import FutureMap
-from .sequence import Logprob
 from .step import SamplingRow
 
 

@@ -1,9 +1,18 @@
 """Milestone 8: tensor parallelism: every rank holds a shard of each layer; two all-reduces a layer add them up."""
 
+from milestones import serving
+from milestones.serving import CompletionOutput, RequestOutput, SamplingParams
+
 from .config import EngineConfig
 from .engine import LLMEngine
-from .llm import LLM
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+
+
+# --8<-- [start:bind]
+class LLM(serving.LLM):
+    """The offline API (``milestones.serving``) over this milestone's engine."""
+
+    engine_class, config_class = LLMEngine, EngineConfig
+# --8<-- [end:bind]
+
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]

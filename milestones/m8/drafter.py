@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
+from milestones.serving.sampling_params import SamplingParams
 
 from .config import EngineConfig
 from .future_map import FutureMap
@@ -26,7 +27,6 @@ from .model import ModelConfig
 from .model_runner import ModelRunner
 from .proposer import NgramProposer
 from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .step import SamplingRow, ScheduledBatch, StepInputs
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.serving.outputs import Logprob
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
@@ -37,7 +38,7 @@ from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler, ranked_logprobs
-from .sequence import Logprob, Sequence
+from .sequence import Sequence
 from .step import (
     DecodeInputs,
     ModelInputs,

@@ -10,14 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .sequence import Logprob, Sequence
+from milestones.serving.outputs import Logprob
+
+from .sequence import Sequence
 
 if TYPE_CHECKING:  # only for type hints
     import torch
 
+    from milestones.serving.sampling_params import SamplingParams
+    from milestones.serving.structured_output import Grammar
+
     from .attention import RequestSpan
-    from .sampling_params import SamplingParams
-    from .structured_output import Grammar
 
 
 @dataclass(slots=True)

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 
 from milestones.m1 import LLM, SamplingParams
 from milestones.m1.detokenizer import IncrementalDetokenizer
-from milestones.m1.outputs import CompletionOutput
 from milestones.m1.sequence import Sequence
 from milestones.m1.step import ScheduledBatch
+from milestones.serving.outputs import CompletionOutput
 
 from .closeness import EXACT, expect_close
 

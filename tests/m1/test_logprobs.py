@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from milestones.m1 import LLM, SamplingParams
 from milestones.m1.detokenizer import IncrementalDetokenizer
-from milestones.m1.outputs import CompletionOutput
 from milestones.m1.sampler import Sampler
 from milestones.m1.sequence import Sequence
 from milestones.m1.step import ScheduledBatch
+from milestones.serving.outputs import CompletionOutput
 from tests.m1.test_sampler import seq
 from tests.m1.test_vs_transformers import hf_generate, varied_prompts
 

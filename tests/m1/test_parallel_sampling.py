@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from milestones.m1 import LLM, SamplingParams
-from milestones.m1.parallel_sampling import ParentRequest
-from milestones.m1.sampling_params import SEED_RANGE
+from milestones.serving.parallel_sampling import ParentRequest
+from milestones.serving.sampling_params import SEED_RANGE
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77]
 

@@ -18,9 +18,9 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 from milestones.m1.detokenizer import IncrementalDetokenizer
 from milestones.m1.sampler import Sampler, noise_seed
-from milestones.m1.sampling_params import SamplingParams
 from milestones.m1.sequence import Sequence
 from milestones.m1.step import SampledToken
+from milestones.serving.sampling_params import SamplingParams
 
 from .closeness import EXACT, Tolerance, expect_close
 

@@ -16,7 +16,7 @@ import torch
 
 from milestones.m1 import LLM, SamplingParams
 from milestones.m1.sampler import Sampler
-from milestones.m1.sampling_params import StructuredOutputsParams
+from milestones.serving.sampling_params import StructuredOutputsParams
 from tests.m1.test_sampler import seq
 
 pytest.importorskip("llguidance", reason="structured output needs llguidance (requirements.txt)")

@@ -6,9 +6,9 @@ import pytest
 
 from milestones.m2.config import EngineConfig
 from milestones.m2.detokenizer import IncrementalDetokenizer
-from milestones.m2.sampling_params import SamplingParams
 from milestones.m2.scheduler import Scheduler
 from milestones.m2.sequence import Sequence, SequenceStatus
+from milestones.serving.sampling_params import SamplingParams
 
 
 def make_seq(request_id: str, prompt_len: int) -> Sequence:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from milestones.m3.config import EngineConfig
 from milestones.m3.detokenizer import IncrementalDetokenizer
-from milestones.m3.sampling_params import SamplingParams
 from milestones.m3.scheduler import Scheduler
 from milestones.m3.sequence import Sequence, SequenceStatus
+from milestones.serving.sampling_params import SamplingParams
 
 
 def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4) -> Sequence:

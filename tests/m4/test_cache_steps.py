@@ -10,9 +10,9 @@ from __future__ import annotations
 from milestones.m4.config import EngineConfig
 from milestones.m4.detokenizer import IncrementalDetokenizer
 from milestones.m4.radix_tree import Node
-from milestones.m4.sampling_params import SamplingParams
 from milestones.m4.scheduler import Scheduler
 from milestones.m4.sequence import Sequence
+from milestones.serving.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from milestones.m6.detokenizer import IncrementalDetokenizer
-from milestones.m6.sampling_params import SamplingParams
 from milestones.m6.sequence import Sequence
 from milestones.m6.step import SamplingRow
+from milestones.serving.sampling_params import SamplingParams
 
 
 def launched(params: SamplingParams) -> Sequence:

@@ -6,9 +6,9 @@ import random
 
 from milestones.m7.detokenizer import IncrementalDetokenizer
 from milestones.m7.proposer import PROBE_INTERVAL, NgramProposer, guess_room
-from milestones.m7.sampling_params import SamplingParams
 from milestones.m7.sequence import Sequence
 from milestones.m7.step import ScheduledBatch
+from milestones.serving.sampling_params import SamplingParams
 
 
 def test_the_latest_earlier_occurrence_of_the_longest_suffix_wins():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .sampling_params import StructuredOutputsParams
+from .sampling_params import InvalidParam, StructuredOutputsParams
 
 REGEX_SPECIAL = set("\\.^$|?*+()[]{}-&~#")  # escaped in a choice: it is matched as the text it is
 
@@ -60,7 +60,7 @@ class StructuredOutputManager:
                                                            eos_token=sorted(self.eos_token_ids))
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar_source(params))
         if matcher.is_error():
-            raise ValueError(f"structured_outputs: {matcher.get_error()}")
+            raise InvalidParam("structured_outputs", f"structured_outputs: {matcher.get_error()}")
         return Grammar(matcher)
 
 

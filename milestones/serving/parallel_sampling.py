@@ -4,24 +4,30 @@ Each sample is a request of its own to the scheduler, a *child* with ``n=1`` and
 parent has a seed, the seed ``seed + i``: vLLM's rule, so the i-th sample of a seeded request
 is the answer of that request alone with that seed. The engine hands back the parent's
 output, whose ``outputs`` hold one completion per sample, in sample order.
+
+From m4 on the samples share their prompt through the prefix cache. Admitted together, each
+would compute the prompt, since blocks enter the cache once computed; so m4's engine adds the
+first sample alone and hands the others to ``ParentRequest.held``, and they are released when
+the first has its first token, to find the whole prompt cached and compute only its last token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SEED_RANGE, SamplingParams
-from .sequence import RequestMetrics
 
 
 @dataclass(slots=True)
 class ParentRequest:
-    """A request with n > 1 samples: its children's ids and their latest outputs."""
+    """A request with n > 1 samples: its children's ids, their latest outputs, and the ones held back."""
 
     request_id: str
     child_ids: list[str]
     latest: dict[str, RequestOutput] = field(default_factory=dict)  # by child id: its latest output
+    held: list[Any] = field(default_factory=list)  # m4 on: the later samples' sequences, until the prompt is cached
 
     # --8<-- [start:children]
     @staticmethod
@@ -86,6 +92,30 @@ class ParentRequests:
     def uses(self, request_id: str) -> bool:
         """Is this id a parent's or a child's?"""
         return request_id in self.by_id or request_id in self.by_child
+
+    # --8<-- [start:release_held]
+    def release_held(self, outputs: list[RequestOutput]) -> list[Any]:
+        """m4 on: the samples held back by each parent whose first sample has an output among these: its prompt is
+        computed, so they will find it in the prefix cache."""
+        if not self.by_child:
+            return []
+        released = []
+        for out in outputs:
+            parent = self.by_child.get(out.request_id)
+            if parent is not None and out.request_id == parent.child_ids[0]:
+                released += parent.held
+                parent.held = []
+        return released
+    # --8<-- [end:release_held]
+
+    def take_held(self, request_id: str) -> Any | None:
+        """m4 on: a sample still held back, taken out (to abort it); None if it is not held."""
+        parent = self.by_child.get(request_id)
+        for seq in parent.held if parent is not None else []:
+            if seq.request_id == request_id:
+                parent.held.remove(seq)
+                return seq
+        return None
 
     # --8<-- [start:merge]
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -12,9 +12,18 @@ SEED_RANGE = (-(2**63), 2**64)  # what a 64-bit random generator can be seeded w
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 
 
+class InvalidParam(ValueError):
+    """A sampling parameter refused; ``param`` names it, so that a server can say which one (OpenAI's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """Per-request sampling and stopping rules, checked when constructed and immutable afterwards.
+    """Per-request sampling and stopping rules, checked when constructed (``InvalidParam`` names the one refused) and
+    immutable afterwards.
 
     * ``temperature=0`` means greedy: always the most likely token.
     * ``top_k=-1`` keeps the whole vocabulary (vLLM's convention); ``0`` is refused
@@ -68,7 +77,8 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):  # {"regex": ...} is accepted, and stored as what it says
             unknown = set(self.structured_outputs) - {"json", "json_object", "regex", "choice"}
             if unknown:
-                raise ValueError(f"structured_outputs takes json, json_object, regex or choice, not {sorted(unknown)}")
+                raise InvalidParam("structured_outputs", "structured_outputs takes json, json_object, regex or choice, "
+                                   f"not {sorted(unknown)}")
             _set(self, "structured_outputs", StructuredOutputsParams(**self.structured_outputs))
         for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):  # None is meaningful for these
             value = getattr(self, name)
@@ -82,41 +92,43 @@ class SamplingParams:
 
     def _check(self) -> None:
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+            raise InvalidParam("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p!r}; use 1.0 to disable it")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+            raise InvalidParam("top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its arguments (json, "
-                             f"json_object, regex or choice), got {self.structured_outputs!r:.60}")
+            raise InvalidParam("structured_outputs", "structured_outputs must be a StructuredOutputsParams or a dict "
+                               "of its arguments (json, json_object, regex or choice), "
+                               f"got {self.structured_outputs!r:.60}")
         if self.structured_outputs is not None and self.ignore_eos:
-            raise ValueError("ignore_eos=True cannot go with structured_outputs: a structured output ends where its "
-                             "format does, with the end-of-sequence token")
+            raise InvalidParam("ignore_eos", "ignore_eos=True cannot go with structured_outputs: a structured output "
+                               "ends where its format does, with the end-of-sequence token")
         if self.n < 1:
-            raise ValueError(f"n must be an integer >= 1 (how many samples of the prompt), got {self.n!r}")
+            raise InvalidParam("n", f"n must be an integer >= 1 (how many samples of the prompt), got {self.n!r}")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(
-                f"max_tokens must be an integer >= 1 (or None for 'until the context is full'), got {self.max_tokens!r}"
-            )
+            raise InvalidParam("max_tokens", "max_tokens must be an integer >= 1 (or None for 'until the context is "
+                               f"full'), got {self.max_tokens!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+            raise InvalidParam("stop", f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
         if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise InvalidParam("stop_token_ids",
+                               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+            raise InvalidParam("ignore_eos", f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
-            raise ValueError(f"seed must fit in 64 bits, in [-2**63, 2**64), got {self.seed!r}")
+            raise InvalidParam("seed", f"seed must fit in 64 bits, in [-2**63, 2**64), got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
+                raise InvalidParam(name, f"{name} must be in [-2, 2] (0 is off), got {getattr(self, name)!r}")
         if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty!r}")
+            raise InvalidParam("repetition_penalty",
+                               f"repetition_penalty must be > 0 (1.0 is off), got {self.repetition_penalty!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}] (how many of the likeliest tokens to "
-                                 f"return besides the chosen one), got {value!r}")
+                raise InvalidParam(name, f"{name} must be None or in [0, {MAX_LOGPROBS}] (how many of the likeliest "
+                                   f"tokens to return besides the chosen one), got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -145,16 +157,27 @@ class StructuredOutputsParams:
             _set(self, "choice", _as_tuple("choice", self.choice, "a list of strings"))
         given = [self.json is not None, self.json_object is not False, self.regex is not None, self.choice is not None]
         if sum(given) != 1:
-            raise ValueError("structured_outputs takes exactly one of json (a schema), json_object=True, regex or "
-                             f"choice; got {self!r:.100}")
+            raise InvalidParam("structured_outputs", "structured_outputs takes exactly one of json (a schema), "
+                               f"json_object=True, regex or choice; got {self!r:.100}")
         if self.json is not None and not isinstance(self.json, str):
-            raise ValueError(f"json must be a JSON schema, as a dict or as text, got {self.json!r:.60}")
+            raise InvalidParam("structured_outputs",
+                               f"json must be a JSON schema, as a dict or as text, got {self.json!r:.60}")
         if not isinstance(self.json_object, bool):
-            raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
+            raise InvalidParam("structured_outputs", f"json_object must be True or False, got {self.json_object!r}")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise ValueError(f"regex must be a non-empty string, got {self.regex!r:.60}")
+            raise InvalidParam("structured_outputs", f"regex must be a non-empty string, got {self.regex!r:.60}")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.60}")
+            raise InvalidParam("structured_outputs",
+                               f"choice must be a non-empty list of non-empty strings, got {self.choice!r:.60}")
+
+
+def checked_params(params: object) -> SamplingParams:
+    """A request's rules as the engine takes them: None means the defaults; anything but a SamplingParams is refused."""
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def _set(params: SamplingParams | StructuredOutputsParams, name: str, value: object) -> None:
@@ -170,12 +193,12 @@ def _as_real(name: str, value: object) -> float:
             number = math.inf
         if math.isfinite(number):
             return number
-    raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+    raise InvalidParam(name, f"{name} must be a finite number, got {value!r:.40}")
 
 
 def _as_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidParam(name, f"{name} must be an integer, got {value!r}")
     return int(value)
 
 
@@ -183,5 +206,5 @@ def _as_tuple(name: str, value: object, expected: str) -> tuple:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__") or getattr(value, "ndim", 1) == 0:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        raise InvalidParam(name, f"{name} must be {expected}, got {value!r}")
     return tuple(value)

@@ -1,13 +1,16 @@
-"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, params)``."""
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, params)``, written once for every milestone.
+
+Each milestone binds it to its own engine in its ``__init__.py`` (``class LLM(serving.LLM)`` naming its
+``LLMEngine`` and ``EngineConfig``), so the front end never imports a milestone.
+"""
 
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
-from .engine import LLMEngine
 from .outputs import RequestOutput
 from .prompts import Prompt, as_token_ids
 from .sampling_params import SamplingParams
@@ -18,15 +21,18 @@ class LLM:
 
     ``LLM()`` loads the bundled SmolLM2-135M-Instruct on CUDA/bf16 if available,
     else CPU/fp32. Further keyword arguments use vLLM's names (``max_model_len``,
-    ``seed``, ...).
+    ``seed``, ...): the fields of the milestone's ``EngineConfig``.
     """
 
+    engine_class: ClassVar[type]  # the milestone's LLMEngine, set by the milestone's subclass
+    config_class: ClassVar[type]  # and its EngineConfig
+
     def __init__(self, model: str | None = None, *, device=None, dtype=None, **kwargs) -> None:
-        accepted = {f.name for f in fields(EngineConfig)}
+        accepted = {f.name for f in fields(self.config_class)}
         unknown = set(kwargs) - accepted
         if unknown:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
-        self.engine = LLMEngine(EngineConfig(model=model, device=device, dtype=dtype, **kwargs))
+        self.engine: Any = self.engine_class(self.config_class(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
     def close(self) -> None:
@@ -34,7 +40,7 @@ class LLM:
         ``with LLM() as llm:`` does it on leaving the block."""
         self.engine.close()
 
-    def __enter__(self) -> LLM:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc_info) -> None:
