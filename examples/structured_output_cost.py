@@ -3,7 +3,7 @@
 One process, the two libraries interleaved round after round, medians reported (CPUs vary by
 up to 50% between runs): the compile of each format, then, token after token of a valid
 document, the bitmask of the tokens allowed next and the grammar reading the token. Last,
-the same per token through the engine's own sampler (``Sampler.apply_grammars`` and
+the same per token through the engine's own serving layer (``LogitsProcessors.apply_grammars`` and
 ``advance_grammars`` on one row of SmolLM2's 49152 logits), the figure to set against a
 decode step. The tokenizer is the bundled model's; no weights are read.
 
@@ -21,8 +21,8 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from milestones.m1.sampler import Sampler
 from milestones.model_store import resolve_model
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.serving.sampling_params import StructuredOutputsParams
 from milestones.serving.structured_output import StructuredOutputManager, grammar_source
 
@@ -98,18 +98,18 @@ def main() -> None:
             print(f"{name:12} {library:10} compile {statistics.median(compiles) * 1e3:6.2f} ms   per token (mask + "
                   f"read) {statistics.median(per_token) * 1e6:6.1f} us   ({len(token_ids)} tokens, medians of "
                   f"{args.rounds} rounds)")
-    sampler, logits = Sampler(torch.device("cpu")), torch.randn(1, VOCAB)
+    features, logits = LogitsProcessors(torch.device("cpu")), torch.randn(1, VOCAB)
     row = type("Row", (), {})()
     row.prompt_token_ids, row.grammar = [], manager.grammar(FORMATS["json_schema"])
     per_token = []
     for position, token in enumerate(token_ids):
         row.num_tokens = position
         start = time.perf_counter()
-        sampler.apply_grammars(logits, [row])
-        sampler.advance_grammars([row], [token])
+        features.apply_grammars(logits, [row])
+        features.advance_grammars([row], torch.tensor([token]))
         per_token.append(time.perf_counter() - start)
-    print(f"the engine's sampler, json_schema, one row of {VOCAB} logits: {statistics.median(per_token) * 1e6:.0f} us "
-          "per token (mask, -inf, read)")
+    print(f"the engine's grammar mask, json_schema, one row of {VOCAB} logits: "
+          f"{statistics.median(per_token) * 1e6:.0f} us per token (mask, -inf, read)")
 
 
 if __name__ == "__main__":

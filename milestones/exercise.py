@@ -4,7 +4,8 @@
     python -m milestones.exercise check m3 [--impl DIR] [--step N | --steps A-B]  # or: make check M=m3 [STEP=n]
 
 ``start`` copies the reference package ``milestones/mK`` (the previous milestone plus
-the lesson's changes) and replaces the body of every function that *is* the lesson by
+the lesson's changes), with the shared serving layer beside it in ``serving/`` (its optional
+steps are written there), and replaces the body of every function that *is* the lesson by
 ``raise NotImplementedError``, with a TODO saying what to build (the contract, then how,
 unless ``--no-hints``) and which step checks it. The optional steps after the core (serving features such as
 penalties and log-probabilities) come filled in unless ``--extras``. The lesson's functions are named in
@@ -41,6 +42,12 @@ from milestones.course import LESSONS, Exercise, Step
 PACKAGE_ROOT = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_ROOT.parent
 IMPL_VARIABLE = "MILESTONE_IMPL"  # "m3=/path/to/package": the tests use that package as milestones.m3
+SHARED = "serving"  # the shared layer a skeleton holds a copy of (milestones/serving), its optional steps' files
+
+
+def reference_path(milestone: str, file: str) -> Path:
+    """An exercise's file in the reference: in the milestone's package, or in the shared layer (``serving/...``)."""
+    return PACKAGE_ROOT / file if file.startswith(f"{SHARED}/") else PACKAGE_ROOT / milestone / file
 
 
 def section_lines(source: str, section: str) -> tuple[int, int]:
@@ -132,6 +139,7 @@ def start(milestone: str, destination: Path, hints: bool = True, extras: bool = 
         raise FileExistsError(f"{destination} already exists: your work is never overwritten. Remove it, "
                               "or give another folder with --to")
     shutil.copytree(PACKAGE_ROOT / milestone, destination, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PACKAGE_ROOT / SHARED, destination / SHARED, ignore=shutil.ignore_patterns("__pycache__"))
     todo, stubbed = [], set()
     for number, step in stubbed_steps(milestone, extras):
         for exercise in step.exercises:
@@ -145,20 +153,30 @@ def start(milestone: str, destination: Path, hints: bool = True, extras: bool = 
 
 
 def install(milestone: str, path: str | Path) -> None:
-    """Make ``milestones.<milestone>`` the package at ``path`` (a learner's), for every import that follows."""
-    import milestones
-
+    """Make ``milestones.<milestone>`` the package at ``path`` (a learner's), for every import that follows, and
+    ``milestones.serving`` its copy of the shared layer, where it has one (``start`` writes it)."""
     folder = Path(path).resolve()
     if not (folder / "__init__.py").is_file():
         raise FileNotFoundError(f"{folder} is not a package (no __init__.py): give the folder `start` created")
-    name = f"milestones.{milestone}"
-    init = folder / "__init__.py"
-    if getattr(sys.modules.get(name), "__file__", None) == str(init):
+    if (folder / SHARED / "__init__.py").is_file():
+        install_package(SHARED, folder / SHARED)  # first: the milestone's package imports it
+    install_package(milestone, folder)
+
+
+def install_package(name: str, folder: Path) -> None:
+    """``milestones.<name>`` is the package in ``folder`` from now on; a module of the reference's, imported before,
+    is forgotten."""
+    import milestones
+
+    qualified, init = f"milestones.{name}", folder / "__init__.py"
+    if getattr(sys.modules.get(qualified), "__file__", None) == str(init):
         return  # installed already (by milestones/__init__.py, in a process that imported it with $MILESTONE_IMPL set)
-    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(folder)])
+    for stale in [m for m in sys.modules if m == qualified or m.startswith(qualified + ".")]:
+        del sys.modules[stale]
+    spec = importlib.util.spec_from_file_location(qualified, init, submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    setattr(milestones, milestone, module)
+    sys.modules[qualified] = module
+    setattr(milestones, name, module)
     spec.loader.exec_module(module)
 
 

@@ -47,16 +47,16 @@ CATALOGUE = (
         "top-p also drops the token whose probability carries the mass past p",
     ),
     Mutation(
-        "m1-repetition-ignores-prompt", "milestones/m1/sampler.py",
-        "                seen[to_device(seqs[i].prompt_token_ids, torch.long, self.device)] = True\n",
+        "m1-repetition-ignores-prompt", "milestones/serving/logits_processors.py",
+        "                seen[to_device(rows[i].prompt_token_ids, torch.long, self.device)] = True\n",
         "",
         ("tests/m1/test_penalties.py::test_each_penalty_on_hand_made_logits",),
         "the repetition penalty counts only the generated tokens, not the prompt's",
     ),
     Mutation(
-        "m1-logprobs-after-penalties", "milestones/m1/sampler.py",
-        "logprobs = self.logprobs(model_logits, seqs, token_ids)",
-        "logprobs = self.logprobs(logits, seqs, token_ids)",
+        "m1-logprobs-after-penalties", "milestones/serving/logits_processors.py",
+        "return PickedTokens(tokens, self.logprobs(masked, rows, tokens))",
+        "return PickedTokens(tokens, self.logprobs(penalized, rows, tokens))",
         ("tests/m1/test_logprobs.py::test_penalties_and_temperature_leave_the_logprobs_alone",),
         "log-probabilities reported from the penalized logits instead of the model's own",
     ),
@@ -158,7 +158,7 @@ CATALOGUE = (
         "the running requests are sorted by length as well, so arrival order is lost within the decodes",
     ),
     Mutation(
-        "m1-prompt-logprobs-score-the-token-read", "milestones/m1/step.py",
+        "m1-prompt-logprobs-score-the-token-read", "milestones/serving/step_records.py",
         "seq.prompt_token_ids[start + 1 : stop + 1]", "seq.prompt_token_ids[start:stop]",
         ("tests/m1/test_logprobs.py::test_prompt_logprobs_match_transformers",),
         "a prompt row scores the token it reads, not the one it predicts",
@@ -196,8 +196,8 @@ CATALOGUE = (
         "the samples held back while the first computes the prompt are never scheduled",
     ),
     Mutation(
-        "m1-grammar-never-advanced", "milestones/m1/sampler.py",
-        "        self.advance_grammars(seqs, token_ids)\n", "",
+        "m1-grammar-never-advanced", "milestones/serving/logits_processors.py",
+        "        self.advance_grammars(rows, tokens)\n", "",
         ("tests/m1/test_structured_output.py::test_every_token_is_one_the_grammar_accepts",),
         "the grammar never reads the tokens picked, so every step masks as if the output had just begun",
     ),
@@ -407,11 +407,11 @@ CATALOGUE = (
         "the captured step's scores rounded to the cache's dtype, where the kernel keeps them in float32",
     ),
     Mutation(
-        "m6-penalty-history-unresolved", "milestones/m6/sampler.py",
-        "            self.future_map.resolve_(output)  # m6:",
-        "            # m6:",
+        "m6-penalty-history-unresolved", "milestones/m6/model_runner.py",
+        "LogitsProcessors(config.device, resolve=self.future_map.resolve_)", "LogitsProcessors(config.device)",
         ("tests/m6/test_vs_m5.py::test_m6_matches_m5_on_a_mixed_workload",),
-        "a penalty counts the future id the host wrote for the token still on the device",
+        "m6 does not tell the serving layer that a penalty's history may end in a future id: a penalty counts the id "
+        "the host wrote for the token still on the device",
     ),
     Mutation(
         "m6-penalty-history-known-only", "milestones/m6/step.py",
@@ -483,11 +483,10 @@ CATALOGUE = (
         "a wait interrupted by Ctrl-C (a BaseException) leaves the step booked: its future ids stay in the requests",
     ),
     Mutation(
-        "m6-mask-not-applied", "milestones/m6/model_runner.py",
-        "logits = self.sampler.apply_grammars(self.compute_logits(hidden), step.samples)",
-        "logits = self.compute_logits(hidden)",
-        ("tests/m6/test_vs_m5.py::test_m6_matches_m5_on_a_mixed_workload",),
-        "m6 moves the mask out of the sampler's call and forgets to apply it in the runner",
+        "serving-mask-not-applied", "milestones/serving/logits_processors.py",
+        "masked = self.apply_grammars(logits, rows)", "masked = logits",
+        ("tests/m1/test_structured_output.py::test_every_token_is_one_the_grammar_accepts",),
+        "the grammar reads every token picked but masks none: the sampler picks from the whole vocabulary",
     ),
     Mutation(
         "m7-guesses-for-structured-requests", "milestones/m7/proposer.py",

@@ -37,7 +37,7 @@ import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
 from milestones.course import LESSONS
-from milestones.exercise import PACKAGE_ROOT, functions
+from milestones.exercise import functions, reference_path
 from tests import gpu_runbook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -365,7 +365,7 @@ def lesson_lines(milestone: str, core: bool = True) -> dict[str, int]:
         if step.optional == core:
             continue
         for exercise in step.exercises:
-            tree = ast.parse((PACKAGE_ROOT / milestone / exercise.file).read_text(encoding="utf-8"))
+            tree = ast.parse(reference_path(milestone, exercise.file).read_text(encoding="utf-8"))
             for name in exercise.functions:
                 body = functions(tree)[name].body
                 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):

@@ -341,7 +341,7 @@ def test_structured_output_cost_measures_the_grammar_and_the_sampler(bundled_mod
     for fmt in ("json_schema", "json_object"):
         assert re.search(rf"^{fmt} +llguidance +compile +[\d.]+ ms +per token \(mask \+ read\) +[\d.]+ us", out,
                          re.MULTILINE), out
-    assert re.search(r"the engine's sampler, json_schema, one row of 49152 logits: \d+ us per token", out), out
+    assert re.search(r"the engine's grammar mask, json_schema, one row of 49152 logits: \d+ us per token", out), out
 
 
 def test_bench_quickstart(tiny_model_path):

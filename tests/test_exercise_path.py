@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 
 from milestones.course import LESSONS
-from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, header, section_lines, start
+from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, header, reference_path, section_lines, start
 from tests.conftest import needs_compiler
 
 # m5's steps, and those of the milestones copied from it, capture with torch.compile on a CPU: without a compiler
@@ -121,7 +121,7 @@ def fill_steps(lesson: str, package: Path, numbers: set[int]) -> None:
         path = package / file
         skeleton = path.read_text()
         assert skeleton.startswith(opening), f"{file} does not open with the skeleton's comment"
-        filled = fill(skeleton.removeprefix(opening), (PACKAGE_ROOT / lesson / file).read_text(), names)
+        filled = fill(skeleton.removeprefix(opening), reference_path(lesson, file).read_text(), names)
         path.write_text(filled if "raise NotImplementedError(" not in filled else opening + filled)
 
 
@@ -135,7 +135,9 @@ def write_filled(lesson: str, package: Path) -> None:
 def test_filling_only_the_stubs_gives_back_the_reference(lesson, tmp_path):
     """What the learner writes is all the skeleton lacks: filled, the package is the reference, byte for byte."""
     write_filled(lesson, tmp_path / lesson)
-    reference, filled = package_files(PACKAGE_ROOT / lesson), package_files(tmp_path / lesson)
+    reference = {**package_files(PACKAGE_ROOT / lesson),  # and its copy of the shared layer, in serving/
+                 **{f"serving/{name}": text for name, text in package_files(PACKAGE_ROOT / "serving").items()}}
+    filled = package_files(tmp_path / lesson)
     assert filled.keys() == reference.keys(), f"files: {sorted(filled.keys() ^ reference.keys())}"
     for name in reference:
         difference = first_difference(filled[name], reference[name]) if filled[name] != reference[name] else ""
@@ -187,7 +189,8 @@ def test_the_build_it_yourself_page_names_each_milestones_functions_and_steps(le
     )
 
 
-INCLUDE = re.compile(r'(?P<indent> *)--8<-- "milestones/(?P<package>m\d+)/(?P<file>[\w.]+)(?::(?P<section>[\w-]+))?"')
+INCLUDE = re.compile(r'(?P<indent> *)--8<-- "milestones/(?P<package>m\d+|serving)/(?P<file>[\w.]+)'
+                     r'(?::(?P<section>[\w-]+))?"')
 
 
 @pytest.mark.parametrize("lesson", sorted(LESSONS))
@@ -198,12 +201,13 @@ def test_the_chapter_folds_every_listing_of_a_lesson_function(lesson):
                for name in exercise.functions}
     for number, line in enumerate(lines):
         include = INCLUDE.fullmatch(line)
-        if not include or include["package"] != lesson:
+        if not include or include["package"] not in (lesson, "serving"):
             continue
-        source = (PACKAGE_ROOT / lesson / include["file"]).read_text()
+        file = include["file"] if include["package"] == lesson else f"serving/{include['file']}"  # the shared layer's
+        source = reference_path(lesson, file).read_text()
         first, last = section_lines(source, include["section"]) if include["section"] else (0, 1 << 30)
         shown = sorted(name for name, node in functions(ast.parse(source)).items()
-                       if (include["file"], name) in written and first < node.lineno < last)
+                       if (file, name) in written and first < node.lineno < last)
         if not shown:
             continue
         above = number - 1

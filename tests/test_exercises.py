@@ -30,6 +30,7 @@ from milestones.exercise import (
     header,
     main,
     owner,
+    reference_path,
     section_lines,
     start,
     step_range,
@@ -49,9 +50,11 @@ def chained_to(milestone: str) -> str:
 
 
 def own_files(milestone: str) -> set[str]:
-    """The files that are the milestone's lesson: those it changes, or every file of m1, which changes none."""
+    """The files that are the milestone's lesson: those it changes, or every file of m1, which changes none, and the
+    shared layer's (its optional steps)."""
     if milestone == MILESTONES[0]:
-        return {path.name for path in (PACKAGE_ROOT / milestone).glob("*.py")}
+        return {path.name for path in (PACKAGE_ROOT / milestone).glob("*.py")} | {
+            f"serving/{path.name}" for path in (PACKAGE_ROOT / "serving").glob("*.py")}
     return CHANGED_FILES[milestone]
 
 
@@ -90,7 +93,7 @@ def test_exercises_name_functions_of_the_lessons_own_files(lesson):
     for step in LESSONS[lesson]:
         for exercise in step.exercises:
             assert exercise.file in own_files(lesson), f"{exercise.file} is not part of {lesson}'s lesson"
-            source = (PACKAGE_ROOT / lesson / exercise.file).read_text()
+            source = reference_path(lesson, exercise.file).read_text()
             first, last = section_lines(source, exercise.section)
             defined = functions(ast.parse(source))
             for name in exercise.functions:
@@ -106,11 +109,13 @@ def test_the_skeleton_stubs_exactly_the_lesson(lesson, extras, tmp_path):
     stubbed = {(e.file, name) for step in LESSONS[lesson] if extras or not step.optional for e in step.exercises
                for name in e.functions}
     assert len(todo) == len(stubbed) > 0
-    for path in sorted((PACKAGE_ROOT / lesson).glob("*.py")):
-        reference, skeleton = path.read_text(), (destination / path.name).read_text()
-        ours = {name for file, name in stubbed if file == path.name}
+    files = [*((path, path.name) for path in (PACKAGE_ROOT / lesson).glob("*.py")),
+             *((path, f"serving/{path.name}") for path in (PACKAGE_ROOT / "serving").glob("*.py"))]  # its copy
+    for path, file in sorted(files):
+        reference, skeleton = path.read_text(), (destination / file).read_text()
+        ours = {name for exercise_file, name in stubbed if exercise_file == file}
         if not ours:
-            assert skeleton == reference, f"{path.name} has no exercise but differs from the reference"
+            assert skeleton == reference, f"{file} has no exercise but differs from the reference"
             continue
         reference_functions, skeleton_functions = functions(ast.parse(reference)), functions(ast.parse(skeleton))
         assert reference_functions.keys() == skeleton_functions.keys()
@@ -120,7 +125,7 @@ def test_the_skeleton_stubs_exactly_the_lesson(lesson, extras, tmp_path):
                 assert raises and not any(isinstance(n, ast.Return) for n in ast.walk(node)), name
             else:
                 assert ast.unparse(node) == ast.unparse(reference_functions[name]), f"{name} changed"
-        assert skeleton.startswith(header(lesson, hints=True)), f"{path.name} does not open with the header comment"
+        assert skeleton.startswith(header(lesson, hints=True)), f"{file} does not open with the header comment"
     with pytest.raises(FileExistsError, match="never overwritten"):
         start(lesson, destination)
 
@@ -132,7 +137,7 @@ def test_m1s_serving_features_are_an_optional_step_after_the_core():
     steps = LESSONS["m1"]
     optional = [number for number, step in enumerate(steps, 1) if step.optional]
     assert [name for number in optional for e in steps[number - 1].exercises for name in e.functions] == [
-        "Sampler.apply_penalties", "Sampler.logprobs", "ranked_logprobs"]
+        "LogitsProcessors.apply_penalties", "LogitsProcessors.logprobs", "ranked_logprobs"]
     core = [step for step in steps if not step.optional and step.exercises]
     assert optional and all(number > steps.index(core[-1]) + 1 for number in optional), "optional steps come last"
     for step in core:

@@ -119,23 +119,15 @@ STEPS: tuple[Step, ...] = (
          "greedy rows ignore the noise; top-p keeps the token that crosses it, on what top-k kept; the noise "
          "depends on the request's seed and the token's position alone",
          (Exercise("sampler.py", "sample", ("Sampler.__call__",),
-                   "logits [rows, vocab] (float32, a row per sequence of seqs) in; a list of "
-                   "`SampledToken(token_id, logprobs)` out, one per row. A structured request's row keeps only "
-                   "its format's tokens (self.apply_grammars); if some row has penalties (`seq.params."
-                   "has_penalties`), self.apply_penalties gives the logits to sample from; a greedy row "
-                   "(`seq.params.greedy`) takes its argmax; every other row divides its logits by its "
-                   "temperature, goes through self.filtered_probs, and takes `argmax(probs / noise)` with its own "
-                   "`self.exponential_noise(seq, vocab)`. Then each grammar reads its row's token "
-                   "(self.advance_grammars). The logprobs: None for every row, unless some row asks "
-                   "(`seq.params.logprobs is not None`): then what self.logprobs gives for the logits from before "
-                   "the penalties. Penalties and logprobs are step 9's (optional); the tests here ask for neither. "
-                   "The tests recompute every row's token.",
-                   how="`logits = self.apply_grammars(logits, seqs)`, kept as the model's logits before the "
-                   "penalties; `tokens = logits.argmax(dim=-1)`; the other rows together: their indices and "
+                   "logits [rows, vocab] (float32, a row per sequence of seqs, as the serving layer left them: "
+                   "grammars masked, penalties applied) in; the picked token ids out, a tensor [rows] on "
+                   "self.device. A greedy row (`seq.params.greedy`) takes its argmax; every other row divides "
+                   "its logits by its temperature, goes through self.filtered_probs, and takes "
+                   "`argmax(probs / noise)` with its own `self.exponential_noise(seq, vocab)`. The tests "
+                   "recompute every row's token.",
+                   how="`tokens = logits.argmax(dim=-1)`; the other rows together: their indices and "
                    "temperatures as tensors (to_device), `self.filtered_probs(logits[index] / temperature[:, "
-                   "None], sampled)`, their noise stacked, and `tokens[index] = (probs / noise).argmax(dim=-1)`; "
-                   "then `token_ids = tokens.tolist()`, `self.advance_grammars(seqs, token_ids)`, and the "
-                   "logprobs."),
+                   "None], sampled)`, their noise stacked, and `tokens[index] = (probs / noise).argmax(dim=-1)`."),
           Exercise("sampler.py", "filtered_probs", ("Sampler.filtered_probs",),
                    "logits [rows, vocab] in (divided by the temperature already), probabilities [rows, vocab] "
                    "out. Each row keeps its top_k likeliest tokens (-1, or a top_k beyond the vocabulary, keeps "
@@ -176,14 +168,14 @@ STEPS: tuple[Step, ...] = (
                    "self.v_cache, slot_mapping=positions, context_len=...)`; `ModelInputs(input_ids, positions, "
                    "ctx, sample_rows=..., sample_seqs=..., prompt_rows=...)`."),
           Exercise("model_runner.py", "execute", ("ModelRunner.execute",),
-                   "one step of the batch: a StepOutput of what self.sampler gives for inputs.sample_seqs (a "
-                   "SampledToken each) from the logits of the hidden rows at inputs.sample_rows, and "
-                   "`self.prompt_logprobs(hidden, inputs.prompt_rows)`; self.model runs once, over the inputs "
-                   "self.prepare_inputs gives, and the logits come from self.compute_logits (the CPU's packed "
-                   "head, or the model's).",
+                   "one step of the batch: a StepOutput of the picks for inputs.sample_seqs (a SampledToken "
+                   "each) from the logits of the hidden rows at inputs.sample_rows, through the serving layer's "
+                   "one seam, `self.features.sample(self.sampler, logits, inputs.sample_seqs).as_list()`, and "
+                   "the prompt scores `self.features.prompt_logprobs(self.compute_logits, hidden, "
+                   "inputs.prompt_rows)`; self.model runs once, over the inputs self.prepare_inputs gives, and "
+                   "the logits come from self.compute_logits (the CPU's packed head, or the model's).",
                    how="`inputs = self.prepare_inputs(batch)`; `hidden = self.model(inputs.input_ids, "
-                   "inputs.positions, inputs.ctx)`; `self.sampler(self.compute_logits(hidden["
-                   "inputs.sample_rows]), inputs.sample_seqs)`."),
+                   "inputs.positions, inputs.ctx)`; `logits = self.compute_logits(hidden[inputs.sample_rows])`."),
           Exercise("engine.py", "stop_rules", ("LLMEngine._append_token",),
                    "append token to seq.token_ids; set seq.metrics.first_token_time (the first time only), "
                    "last_token_time and num_output_tokens; then the stop rules, the first that matches wins: a "
@@ -201,22 +193,23 @@ STEPS: tuple[Step, ...] = (
          "the repetition penalty divides a positive logit and multiplies a negative one, on the prompt's tokens "
          "too; logprobs come from the model's logits, before penalties and temperature; a token's rank is 1 + the "
          "number of likelier tokens",
-         (Exercise("sampler.py", "penalties", ("Sampler.apply_penalties",),
-                   "for each row whose `seq.params.has_penalties`: the repetition penalty on every token of the "
+         (Exercise("serving/logits_processors.py", "penalties", ("LogitsProcessors.apply_penalties",),
+                   "for each row whose `row.params.has_penalties`: the repetition penalty on every token of the "
                    "prompt or the output (a positive logit divided by it, a negative one multiplied), then minus "
                    "`frequency_penalty` times each token's count in the output and `presence_penalty` once for "
                    "each token in it. Return new logits (the caller's stay as they are), or the same tensor when "
-                   "no row has penalties.",
+                   "no row has penalties. (With self.resolve set, from m6 on, the output's ids go through it "
+                   "first: the last may be a future id.)",
                    how="clone the logits; per row, the output's counts `bincount(minlength=vocab)`; for the "
                    "repetition penalty, a mask of the tokens seen (counts > 0, the prompt's tokens set too) and "
                    "`torch.where(row > 0, row / penalty, row * penalty)` where it is set; then subtract "
                    "`frequency_penalty * counts + presence_penalty * (counts > 0)` in place."),
-          Exercise("sampler.py", "logprobs", ("Sampler.logprobs",),
-                   "for each row whose `seq.params.logprobs` is k (not None), what `ranked_logprobs` gives for its "
+          Exercise("serving/logits_processors.py", "logprobs", ("LogitsProcessors.logprobs",),
+                   "for each row whose `row.params.logprobs` is k (not None), what `ranked_logprobs` gives for its "
                    "logits, its chosen token and k; None for the other rows.",
-                   how="the rows that ask in one call: their logits (an index tensor), their chosen tokens as a "
-                   "tensor and their ks; each answer back at its row."),
-          Exercise("sampler.py", "ranked_logprobs", ("ranked_logprobs",),
+                   how="the rows that ask in one call: their logits and their chosen tokens through one index "
+                   "tensor, and their ks; each answer back at its row."),
+          Exercise("serving/logits_processors.py", "ranked_logprobs", ("ranked_logprobs",),
                    "row by row of logits [rows, vocab], a dict `{token: Logprob(logprob, rank)}` from their "
                    "log_softmax: the row's chosen token first (rank: 1 + the number of likelier tokens), then its "
                    "k likeliest in order (rank 1, 2, ...; the chosen one not twice; none whose log-probability is "

@@ -105,11 +105,10 @@ STEPS: tuple[Step, ...] = (
                    "to be pickled; a DecodeInputs as it is); then `hidden, prompt_logprobs = "
                    "self.forward(step.forward)`. No samples (every request in the middle of its prompt): return "
                    "`StepOutput(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)`. "
-                   "Otherwise logits = self.logits(hidden) (every rank's part of the vocabulary, gathered), with "
-                   "the structured requests' formats applied (`self.sampler.apply_grammars(logits, "
-                   "step.samples)`), tokens = `self.sampler(logits, step.samples)`, stored at step.future_ids "
-                   "(self.future_map.store) and broadcast to the other ranks (self.tp.broadcast); return "
-                   "`StepOutput(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)`.",
+                   "Otherwise the picks of `self.features.sample(self.sampler, self.logits(hidden), "
+                   "step.samples)` (self.logits: every rank's part of the vocabulary, gathered), their tokens "
+                   "stored at step.future_ids (self.future_map.store) and broadcast to the other ranks "
+                   "(self.tp.broadcast); return `StepOutput(tokens, picked.logprobs, prompt_logprobs)`.",
                    how="`replace(step.forward, sample_seqs=[])` when `isinstance(step.forward, ModelInputs)`; "
                    "the rest is m7's execute with self.forward and self.logits, and one line more, "
                    "`self.tp.broadcast(tokens)`, after the store."),

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Exercise:
-    file: str  # in the milestone's package
+    file: str  # in the milestone's package, or in the skeleton's copy of the shared layer (serving/...)
     section: str  # the snippet section (as the docs include it) that holds the functions
     functions: tuple[str, ...]  # qualified names, e.g. "BlockManager.grow"
     todo: str  # the contract: what goes in, what comes out, the rule (all a TODO says with HINTS=0)

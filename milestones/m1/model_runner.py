@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
-from milestones.serving.outputs import Logprob
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler, ranked_logprobs
+from .sampler import Sampler
 from .step import ModelInputs, PromptLogprobRows, ScheduledBatch, StepOutput
 
 
@@ -34,6 +34,7 @@ class ModelRunner:
         self.k_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.sampler = Sampler(config.device)
+        self.features = LogitsProcessors(config.device)  # the serving features on its logits (milestones.serving)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
@@ -59,22 +60,10 @@ class ModelRunner:
         """Compute the batch's new tokens in one forward pass and sample one token per sequence."""
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
-        sampled = self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
-        return StepOutput(sampled, self.prompt_logprobs(hidden, inputs.prompt_rows))
+        logits = self.compute_logits(hidden[inputs.sample_rows])
+        sampled = self.features.sample(self.sampler, logits, inputs.sample_seqs).as_list()
+        return StepOutput(sampled, self.features.prompt_logprobs(self.compute_logits, hidden, inputs.prompt_rows))
     # --8<-- [end:execute]
-
-    # --8<-- [start:prompt_logprobs]
-    def prompt_logprobs(self, hidden: torch.Tensor,
-                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
-        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
-        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
-        found = {}
-        for rows in scored:
-            logits = self.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])
-            chosen = to_device(rows.token_ids, torch.long, self.device)
-            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
-        return found
-    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from milestones.serving.outputs import Logprob
+from milestones.serving.step_records import PromptLogprobRows, SampledToken
 
 from .sequence import Sequence
 
@@ -41,38 +42,6 @@ class ModelInputs:
     sample_seqs: list[Sequence]  # the sequence of each of those rows
     prompt_rows: list[PromptLogprobRows]  # rows that score a prompt's own tokens, for requests that ask
 # --8<-- [end:model_inputs]
-
-
-# --8<-- [start:prompt_rows]
-@dataclass(slots=True)
-class PromptLogprobRows:
-    """A request's rows of one step that score its own prompt (``SamplingParams.prompt_logprobs``): the row reading
-    the token at position p predicts, and so scores, the prompt's token at p + 1."""
-
-    request_id: str
-    first_row: int  # the row of the step's batch that reads position ``start``; the others follow it
-    start: int
-    token_ids: list[int]  # the prompt tokens they score: those at start + 1, start + 2, ...
-    k: int  # how many of the likeliest tokens each row lists besides the prompt's own
-
-    @classmethod
-    def of(cls, seq: Sequence, first_row: int, start: int, end: int) -> list[PromptLogprobRows]:
-        """The rows of the chunk [start, end) that predict a prompt token, if the request asks: a list of one, or
-        empty. The prompt's last token predicts the first generated one: its row samples instead."""
-        stop = min(end, seq.num_prompt_tokens - 1)
-        if seq.params.prompt_logprobs is None or start >= stop:
-            return []
-        return [cls(seq.request_id, first_row, start, seq.prompt_token_ids[start + 1 : stop + 1],
-                    seq.params.prompt_logprobs)]
-# --8<-- [end:prompt_rows]
-
-
-@dataclass(slots=True)
-class SampledToken:
-    """One row's pick, with its log-probabilities when its request asked for them (``SamplingParams.logprobs``)."""
-
-    token_id: int
-    logprobs: dict[int, Logprob] | None = None  # the chosen token's first, then the likeliest ones'
 
 
 @dataclass(slots=True)

@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
-from milestones.serving.outputs import Logprob
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
 from .config import EngineConfig
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler, ranked_logprobs
+from .sampler import Sampler
 from .step import DecodeInputs, ModelInputs, PromptLogprobRows, ScheduledBatch, StepOutput
 
 
@@ -53,6 +53,7 @@ class ModelRunner:
         self.k_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.sampler = Sampler(config.device)
+        self.features = LogitsProcessors(config.device)  # the serving features on its logits (milestones.serving)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
@@ -95,31 +96,19 @@ class ModelRunner:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
             hidden = self.graph_runner.run(self.decode_inputs(batch))
-            return StepOutput(self.sampler(self.compute_logits(hidden), batch.seqs), {})
+            return StepOutput(self.features.sample(self.sampler, self.compute_logits(hidden), batch.seqs).as_list(), {})
         self.num_eager_steps += 1
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
-        prompt_logprobs = self.prompt_logprobs(hidden, inputs.prompt_rows)
+        prompt_logprobs = self.features.prompt_logprobs(self.compute_logits, hidden, inputs.prompt_rows)
         if not inputs.sample_seqs:  # every request is in the middle of its prompt
             return StepOutput([None] * len(batch.seqs), prompt_logprobs)
-        sampled = self.sampler(self.compute_logits(hidden[inputs.sample_rows]), inputs.sample_seqs)
+        logits = self.compute_logits(hidden[inputs.sample_rows])
+        sampled = self.features.sample(self.sampler, logits, inputs.sample_seqs).as_list()
         token_of = {seq.request_id: token for seq, token in zip(inputs.sample_seqs, sampled)}
         # None: a chunk of a prompt that predicts nothing yet
         return StepOutput([token_of.get(seq.request_id) for seq in batch.seqs], prompt_logprobs)
     # --8<-- [end:execute]
-
-    # --8<-- [start:prompt_logprobs]
-    def prompt_logprobs(self, hidden: torch.Tensor,
-                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
-        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
-        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
-        found = {}
-        for rows in scored:
-            logits = self.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])
-            chosen = to_device(rows.token_ids, torch.long, self.device)
-            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
-        return found
-    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
-from milestones.serving.outputs import Logprob
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler, ranked_logprobs
+from .sampler import Sampler
 from .step import DecodeInputs, ModelInputs, PromptLogprobRows, SamplingRow, ScheduledBatch, StepInputs, StepOutput
 
 
@@ -62,7 +62,9 @@ class ModelRunner:
         self.k_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.v_cache = kv_cache_zeros(shape, config.dtype, config.device, config.attention_backend)
         self.future_map = FutureMap(2 * config.max_num_seqs, config.device)
-        self.sampler = Sampler(config.device, self.future_map)
+        self.sampler = Sampler(config.device)
+        # the serving features on its logits (milestones.serving); m6: a penalty's history may end in future ids
+        self.features = LogitsProcessors(config.device, resolve=self.future_map.resolve_)
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
@@ -120,29 +122,16 @@ class ModelRunner:
             self.num_eager_steps += 1
             input_ids, positions, ctx = self.device_inputs(step.forward)
             hidden = self.model(input_ids, positions, ctx)
-            prompt_logprobs = self.prompt_logprobs(hidden, step.forward.prompt_rows)
+            prompt_logprobs = self.features.prompt_logprobs(self.compute_logits, hidden, step.forward.prompt_rows)
             rows = self._tensor(step.forward.sample_rows)  # a tensor from pinned memory: a list index would
             hidden = hidden[rows]  # copy to the GPU and wait for the forward
         if not step.samples:  # every request is in the middle of its prompt
             return StepOutput(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
-        logits = self.sampler.apply_grammars(self.compute_logits(hidden), step.samples)  # structured: the format's only
-        tokens = self.sampler(logits, step.samples)
+        picked = self.features.sample(self.sampler, self.compute_logits(hidden), step.samples)  # on the worker
+        tokens = picked.tokens
         self.future_map.store(step.future_ids, tokens)
-        return StepOutput(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)
+        return StepOutput(tokens, picked.logprobs, prompt_logprobs)
     # --8<-- [end:execute]
-
-    # --8<-- [start:prompt_logprobs]
-    def prompt_logprobs(self, hidden: torch.Tensor,
-                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
-        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
-        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
-        found = {}
-        for rows in scored:
-            logits = self.compute_logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])
-            chosen = to_device(rows.token_ids, torch.long, self.device)
-            found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
-        return found
-    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:

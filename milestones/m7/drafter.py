@@ -22,7 +22,6 @@ from milestones.model_store import resolve_model
 from milestones.serving.sampling_params import SamplingParams
 
 from .config import EngineConfig
-from .future_map import FutureMap
 from .model import ModelConfig
 from .model_runner import ModelRunner
 from .proposer import NgramProposer
@@ -71,7 +70,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(replace(config, enforce_eager=True, speculative_config=None), model_config, path)
         self.rejection = config.speculative_config.acceptance == "rejection"  # the target judges guesses against q
         if self.rejection:
-            self.runner.sampler = DraftSampler(config.device, self.runner.future_map)
+            self.runner.sampler = DraftSampler(config.device)
 
     def propose_batch(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         """Compute what the target computes in this step, and up to ``batch.guess_rooms[row]`` guesses for each row
@@ -116,8 +115,8 @@ class DraftSampler(Sampler):
     """The draft's sampler with acceptance "rejection": it keeps the distribution each sampled (not greedy) row drew
     its pick from, q, with which the target's sampler judges the guess (``ScheduledBatch.guess_probs``)."""
 
-    def __init__(self, device: torch.device, future_map: FutureMap) -> None:
-        super().__init__(device, future_map)
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
         self.drawn_from: list[torch.Tensor] = []
 
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:

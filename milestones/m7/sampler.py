@@ -1,7 +1,8 @@
 """Pick the next token of every row, each row by its own request's rules.
 
-Penalties come first, on greedy and sampled rows alike: they change the logits,
-not the way of picking. Greedy rows take the argmax. Sampled rows scale by
+The logits come in as the serving layer made them (``milestones.serving.logits_processors``:
+a structured request's grammar masked, penalties applied), so the sampler only picks.
+Greedy rows take the argmax. Sampled rows scale by
 temperature, cut to top-k and top-p, then draw with the *exponential race*:
 ``argmax(probs / E)`` with ``E ~ Exponential(1)`` picks index i with probability
 ``probs[i]``. The noise for a request's n-th token is seeded by (its seed, n) alone:
@@ -12,27 +13,21 @@ half-advanced.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from milestones.serving.outputs import Logprob
 from milestones.transfer import to_device
 
-from .future_map import FutureMap
 from .step import SamplingRow
 
 
 class Sampler:
-    def __init__(self, device: torch.device, future_map: FutureMap) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.future_map = future_map  # m6: resolves the future ids a penalty's history may end with
         self.generator = torch.Generator(device=device)  # re-seeded for every row it draws
 
     # --8<-- [start:sample]
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
-        """logits: [len(seqs), vocab] in fp32, one row per sequence; the tokens stay on the device."""
-        if any(seq.params.has_penalties for seq in seqs):  # serving features run for the steps that ask alone
-            logits = self.apply_penalties(logits, seqs)
+        """logits: [len(seqs), vocab] in fp32, one row per sequence. Returns the picked token ids, on the device."""
         tokens = logits.argmax(dim=-1)
         rows = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
         if rows:
@@ -45,38 +40,8 @@ class Sampler:
             judged = [j for j, s in enumerate(sampled) if s.guess is not None]  # m7, acceptance "rejection"
             if judged:
                 tokens[index[judged]] = self.judge_guesses(probs[judged], [sampled[j] for j in judged])
-        self.advance_grammars(seqs, tokens)
         return tokens
     # --8<-- [end:sample]
-
-    # --8<-- [start:grammars]
-    def apply_grammars(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
-        """Rows of structured requests keep the logits of the tokens their grammar accepts next, the others become
-        -inf (and so do their log-probabilities, as in vLLM). Returns new logits, or the same tensor when no row has a
-        grammar. m6: the runner calls it, so that the log-probabilities it reads are of the masked logits too."""
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        if not rows:
-            return logits
-        vocab = logits.shape[-1]
-        allowed = torch.ones(logits.shape, dtype=torch.bool)  # rows without a grammar allow every token
-        for i in rows:
-            grammar = seqs[i].grammar
-            grammar.rewind(seqs[i].num_tokens - len(seqs[i].prompt_token_ids))  # a step undone may have run ahead
-            bits = np.unpackbits(np.frombuffer(grammar.allowed(), dtype=np.uint8), bitorder="little")  # token t: bit t
-            allowed[i] = torch.from_numpy(bits[:vocab].astype(bool))
-        return logits.masked_fill(~allowed.to(self.device), float("-inf"))
-
-    @staticmethod
-    def advance_grammars(seqs: list[SamplingRow], tokens: torch.Tensor) -> None:
-        """Each grammar reads the token picked under its mask: the next step's mask follows from it. m6: here, on the
-        worker, so that the mask is ready when the next step samples; reading the tokens waits for the step, only in
-        steps with a structured request."""
-        if all(seq.grammar is None for seq in seqs):
-            return
-        for seq, token in zip(seqs, tokens.tolist()):
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-    # --8<-- [end:grammars]
 
     # --8<-- [start:judge_guesses]
     def judge_guesses(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -92,47 +57,6 @@ class Sampler:
         drawn_from = torch.stack([row.guess_probs for row in rows]) if rows[0].guess_probs is not None else None
         return rejection_sample(probs, guesses, torch.stack(uniforms), torch.stack(noise), drawn_from)
     # --8<-- [end:judge_guesses]
-
-    # --8<-- [start:logprobs]
-    def logprobs(self, logits: torch.Tensor, seqs: list[SamplingRow],
-                 tokens: torch.Tensor) -> list[dict[int, Logprob] | None]:
-        """For each row whose request asks (``params.logprobs`` = k): the chosen token's log-probability and the k
-        likeliest tokens', each with its rank. From the model's own logits (vLLM's default): before penalties and
-        temperature, they say what the model thinks, whatever rule then picked the token. m6: reading them waits for
-        the step on the worker (tokens alone stay on the device): only steps with a row that asks pay for it."""
-        found: list[dict[int, Logprob] | None] = [None] * len(seqs)
-        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not rows:
-            return found
-        index = to_device(rows, torch.long, self.device)
-        ks = [seqs[i].params.logprobs for i in rows]
-        for i, ranked in zip(rows, ranked_logprobs(logits[index], tokens[index], ks)):
-            found[i] = ranked
-        return found
-    # --8<-- [end:logprobs]
-
-    # --8<-- [start:penalties]
-    def apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
-        """vLLM's order: the repetition penalty on every token of the prompt and the output, then the frequency and
-        presence penalties on the output's tokens. Rows without penalties are returned as they are."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
-        if not rows:
-            return logits
-        logits = logits.clone()  # the caller's logits stay the model's own
-        vocab = logits.shape[-1]
-        for i in rows:
-            params, row = seqs[i].params, logits[i]
-            output = to_device(seqs[i].output_token_ids, torch.long, self.device)
-            self.future_map.resolve_(output)  # m6: the last token may still be a future id; the device has it
-            counts = output.bincount(minlength=vocab)
-            if params.repetition_penalty != 1:
-                seen = counts > 0
-                seen[to_device(seqs[i].prompt_token_ids, torch.long, self.device)] = True
-                penalized = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
-                row.copy_(torch.where(seen, penalized, row))
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-        return logits
-    # --8<-- [end:penalties]
 
     # --8<-- [start:filtered_probs]
     def filtered_probs(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
@@ -192,25 +116,3 @@ def rejection_sample(probs: torch.Tensor, guesses: torch.Tensor, uniforms: torch
     residual = (probs - q).clamp(min=0)  # never the guess itself when it is rejected: there p(x) < q(x)
     return torch.where(keep, guesses, (residual / noise).argmax(dim=-1))
 # --8<-- [end:rejection_sample]
-
-
-# --8<-- [start:ranked_logprobs]
-def ranked_logprobs(logits: torch.Tensor, chosen: torch.Tensor, ks: list[int]) -> list[dict[int, Logprob]]:
-    """Row by row of logits [rows, vocab]: ``{token: Logprob(logprob, rank)}``, the chosen token first (a sampled one,
-    or a prompt's own next token), then the row's k likeliest in order; the chosen one is not listed twice."""
-    logprobs = logits.log_softmax(dim=-1)
-    chosen_logprobs = logprobs.gather(-1, chosen[:, None])
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # 1 + how many tokens are likelier than the chosen one
-    top = logprobs.topk(max(ks), dim=-1)
-    found = []
-    columns = zip(ks, chosen.tolist(), chosen_logprobs[:, 0].tolist(), ranks.tolist(), top.indices.tolist(),
-                  top.values.tolist())
-    for k, token, value, rank, top_ids, top_values in columns:
-        ranked = {token: Logprob(value, rank)}
-        for place, (top_id, top_value) in enumerate(zip(top_ids[:k], top_values[:k]), 1):
-            if top_value == float("-inf"):
-                break  # a token a grammar masked: not among the likeliest, it cannot be picked at all
-            ranked.setdefault(top_id, Logprob(top_value, place))
-        found.append(ranked)
-    return found
-# --8<-- [end:ranked_logprobs]

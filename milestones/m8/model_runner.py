@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
-from milestones.serving.outputs import Logprob
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
 from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
@@ -37,7 +37,7 @@ from .distributed import SINGLE, TensorParallel
 from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
-from .sampler import Sampler, ranked_logprobs
+from .sampler import Sampler
 from .sequence import Sequence
 from .step import (
     DecodeInputs,
@@ -84,7 +84,9 @@ class ModelRunner:
         speculative = config.speculative_config  # m7: a request samples after its last token and after each guess
         rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative is not None else 0)
         self.future_map = FutureMap(2 * config.max_num_seqs * rows_per_seq, config.device)
-        self.sampler = Sampler(config.device, self.future_map)
+        self.sampler = Sampler(config.device)
+        # the serving features on its logits (milestones.serving); m6: a penalty's history may end in future ids
+        self.features = LogitsProcessors(config.device, resolve=self.future_map.resolve_)
         self.rejection = speculative is not None and speculative.acceptance == "rejection"  # m7: how guesses are judged
         # A platform speed-up, not the lesson: on a CPU, linear layers packed for oneDNN (None: plain F.linear).
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
@@ -144,11 +146,11 @@ class ModelRunner:
         hidden, prompt_logprobs = self.forward(step.forward)
         if not step.samples:  # every request is in the middle of its prompt
             return StepOutput(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
-        logits = self.sampler.apply_grammars(self.logits(hidden), step.samples)  # structured: the format's only
-        tokens = self.sampler(logits, step.samples)
+        picked = self.features.sample(self.sampler, self.logits(hidden), step.samples)  # on the worker
+        tokens = picked.tokens
         self.future_map.store(step.future_ids, tokens)
         self.tp.broadcast(tokens)  # m8: the other ranks keep them too, where the next step's inputs look for them
-        return StepOutput(tokens, self.sampler.logprobs(logits, step.samples, tokens), prompt_logprobs)
+        return StepOutput(tokens, picked.logprobs, prompt_logprobs)
 
     @torch.inference_mode()
     def execute_shard(self, step: ShardStep) -> None:
@@ -172,7 +174,7 @@ class ModelRunner:
         self.num_eager_steps += 1
         input_ids, positions, ctx = self.device_inputs(forward)
         hidden = self.model(input_ids, positions, ctx)
-        prompt_logprobs = self.prompt_logprobs(hidden, forward.prompt_rows)
+        prompt_logprobs = self.features.prompt_logprobs(self.logits, hidden, forward.prompt_rows)
         rows = self._tensor(forward.sample_rows)  # a tensor from pinned memory: a list index would
         return hidden[rows], prompt_logprobs  # copy to the GPU and wait for the forward
 
@@ -180,20 +182,6 @@ class ModelRunner:
         """Every rank: the logits of its part of the vocabulary, gathered; the whole vocabulary's, in fp32."""
         return self.tp.gather_logits(self.compute_logits(hidden))[:, : self.model.config.vocab_size]
     # --8<-- [end:execute]
-
-    # --8<-- [start:prompt_logprobs]
-    def prompt_logprobs(self, hidden: torch.Tensor,
-                        scored: list[PromptLogprobRows]) -> dict[str, list[dict[int, Logprob]]]:
-        """Each asking request's scores of the prompt tokens its rows predict, from the step's hidden states: the
-        same ranking as a sampled token's, the prompt's own next token in the chosen one's place."""
-        found = {}
-        for rows in scored:
-            logits = self.logits(hidden[rows.first_row : rows.first_row + len(rows.token_ids)])  # m8: every rank's
-            if self.tp.rank == 0:  # m8: rank 0 alone reports them
-                chosen = to_device(rows.token_ids, torch.long, self.device)
-                found[rows.request_id] = ranked_logprobs(logits, chosen, [rows.k] * len(rows.token_ids))
-        return found
-    # --8<-- [end:prompt_logprobs]
 
     # --8<-- [start:prepare_inputs]
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:

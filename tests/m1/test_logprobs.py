@@ -18,6 +18,7 @@ from milestones.m1.detokenizer import IncrementalDetokenizer
 from milestones.m1.sampler import Sampler
 from milestones.m1.sequence import Sequence
 from milestones.m1.step import ScheduledBatch
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.serving.outputs import CompletionOutput
 from tests.m1.test_sampler import seq
 from tests.m1.test_vs_transformers import hf_generate, varied_prompts
@@ -83,8 +84,7 @@ def test_no_logprobs_unless_asked(models):
 
 def test_the_chosen_tokens_rank_counts_the_likelier_tokens():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
-    sampler = Sampler(torch.device("cpu"))
-    found = sampler.logprobs(logits, [seq(logprobs=2), seq()], [2, 1])
+    found = LogitsProcessors(torch.device("cpu")).logprobs(logits, [seq(logprobs=2), seq()], torch.tensor([2, 1]))
     assert found[1] is None, "a row that did not ask gets nothing"
     assert list(found[0]) == [2, 1, 3], "the chosen token first, then the likeliest in order"
     assert [entry.rank for entry in found[0].values()] == [3, 1, 2]
@@ -93,11 +93,11 @@ def test_the_chosen_tokens_rank_counts_the_likelier_tokens():
 
 
 def test_penalties_and_temperature_leave_the_logprobs_alone():
-    """The sampler reports log_softmax of the logits it was given, not of what penalties and temperature made them."""
+    """The log-probabilities are log_softmax of the model's logits, not of what penalties and temperature made them."""
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     asking = seq(prompt_len=1, temperature=0.5, repetition_penalty=3.0, presence_penalty=2.0, logprobs=3)
     asking.token_ids += [2, 2]  # token 1 is the prompt's, token 2 was generated twice
-    (pick,) = Sampler(torch.device("cpu"))(logits, [asking])
+    (pick,) = LogitsProcessors(torch.device("cpu")).sample(Sampler(torch.device("cpu")), logits, [asking]).as_list()
     expected = logits[0].log_softmax(-1)
     for token, entry in pick.logprobs.items():
         assert abs(entry.logprob - expected[token].item()) < 1e-6, (

@@ -17,6 +17,7 @@ from milestones.m1 import LLM, SamplingParams
 from milestones.m1.detokenizer import IncrementalDetokenizer
 from milestones.m1.sampler import Sampler
 from milestones.m1.sequence import Sequence
+from milestones.serving.logits_processors import LogitsProcessors
 from tests.m1.test_vs_transformers import RecordingSampler
 
 STEPS = 24
@@ -68,7 +69,7 @@ def models(bundled_model_path):
 def test_penalized_greedy_tokens_and_scores_match_transformers(models, penalties):
     hf, llm = models
     sampler = llm.engine.runner.sampler
-    recorder = llm.engine.runner.sampler = RecordingSampler(sampler)
+    recorder = llm.engine.runner.sampler = RecordingSampler(sampler)  # the logits it picks from: penalized
     changed = 0
     for question in QUESTIONS:
         text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
@@ -85,13 +86,10 @@ def test_penalized_greedy_tokens_and_scores_match_transformers(models, penalties
         assert n >= 8 and ours[:n] == ref_tokens, (
             f"prompt of {len(prompt)} tokens, {penalties}: output token {first_difference(ours, ref_tokens)} differs "
             f"from transformers' (ours {ours}, transformers {ref_tokens})")
-        # Re-apply our penalties step by step to the logits the model gave, and compare with transformers' scores.
-        history = Sequence("r", None, prompt, params, 0, IncrementalDetokenizer(None, prompt, []))
-        for step, logits in enumerate(recorder.logits[:n]):
-            penalized = sampler.apply_penalties(logits, [history])[0]
-            margin = (penalized - ref_scores[step]).abs().max().item()
+        # The logits the sampler picked from, step by step, against transformers' penalized scores.
+        for step, penalized in enumerate(recorder.logits[:n]):
+            margin = (penalized[0] - ref_scores[step]).abs().max().item()
             assert margin <= 1e-4, f"step {step}: penalized logits differ from transformers' by {margin:.2e} > 1e-4"
-            history.token_ids.append(ours[step])
     llm.engine.runner.sampler = sampler
     assert changed, f"{penalties} changed no answer: the test would pass without penalties"
 
@@ -108,7 +106,7 @@ def seq(prompt: list[int], output: list[int], **params) -> Sequence:
 
 def test_each_penalty_on_hand_made_logits():
     logits = torch.tensor([[2.0, -1.0, 1.0, 0.5, -0.5]])
-    sampler = Sampler(torch.device("cpu"))
+    features = LogitsProcessors(torch.device("cpu"))
     rows = {  # prompt [0], output [1, 2, 2]: token 0 seen in the prompt only, 3 and 4 never seen
         "repetition": (dict(repetition_penalty=2.0), [1.0, -2.0, 0.5, 0.5, -0.5]),
         "frequency": (dict(frequency_penalty=0.5), [2.0, -1.5, 0.0, 0.5, -0.5]),
@@ -116,19 +114,20 @@ def test_each_penalty_on_hand_made_logits():
     }
     original = logits.clone()
     for name, (params, expected) in rows.items():
-        got = sampler.apply_penalties(logits, [seq([0], [1, 2, 2], **params)])[0]
+        got = features.apply_penalties(logits, [seq([0], [1, 2, 2], **params)])[0]
         assert torch.equal(logits, original), (
             f"apply_penalties with the {name} penalty changed the caller's logits to {logits[0].tolist()} (they "
             f"were {original[0].tolist()}): penalize a clone, since the caller keeps the model's logits for the "
             "logprobs")
         assert torch.equal(got, torch.tensor(expected)), f"{name}: got {got.tolist()}, expected {expected}"
-    untouched = sampler.apply_penalties(logits, [seq([0], [1, 2, 2])])
+    untouched = features.apply_penalties(logits, [seq([0], [1, 2, 2])])
     assert untouched is logits, "a row without penalties should cost nothing"
 
 
 def test_greedy_rows_are_penalized_too():
     logits = torch.tensor([[2.0, 1.9]])
-    (pick,) = Sampler(torch.device("cpu"))(logits, [seq([5], [0], temperature=0, presence_penalty=0.5)])
+    rows = [seq([5], [0], temperature=0, presence_penalty=0.5)]
+    (pick,) = LogitsProcessors(torch.device("cpu")).sample(Sampler(torch.device("cpu")), logits, rows).as_list()
     assert pick.token_id == 1, f"token 0 was generated: presence_penalty=0.5 makes 1 the argmax, got {pick.token_id}"
 
 

@@ -19,7 +19,6 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 from milestones.m1.detokenizer import IncrementalDetokenizer
 from milestones.m1.sampler import Sampler, noise_seed
 from milestones.m1.sequence import Sequence
-from milestones.m1.step import SampledToken
 from milestones.serving.sampling_params import SamplingParams
 
 from .closeness import EXACT, Tolerance, expect_close
@@ -158,12 +157,11 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
 
 
 def picks(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """The sampler's token per row; it must return a SampledToken per row (the token and its log-probabilities)."""
-    sampled = sampler(logits, seqs)
-    assert isinstance(sampled, list) and len(sampled) == len(seqs) and all(
-        isinstance(pick, SampledToken) for pick in sampled), (
-        f"the sampler must return a list of {len(seqs)} SampledToken(token_id, logprobs), got {sampled!r:.200}")
-    return [pick.token_id for pick in sampled]
+    """The sampler's token per row; it must return them as one tensor of token ids, a row each."""
+    tokens = sampler(logits, seqs)
+    assert isinstance(tokens, torch.Tensor) and tokens.shape == (len(seqs),) and not tokens.is_floating_point(), (
+        f"the sampler must return a tensor of {len(seqs)} token ids, got {tokens!r:.200}")
+    return tokens.tolist()
 
 
 def draw(n: int, **params) -> torch.Tensor:

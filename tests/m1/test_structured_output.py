@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from milestones.m1 import LLM, SamplingParams
-from milestones.m1.sampler import Sampler
+from milestones.serving.logits_processors import LogitsProcessors
 from milestones.serving.sampling_params import StructuredOutputsParams
 from tests.m1.test_sampler import seq
 
@@ -91,7 +91,7 @@ def test_the_mask_keeps_only_the_grammars_tokens_and_leaves_other_rows_alone(llm
     structured, plain = seq(prompt_len=2), seq(prompt_len=2)
     structured.grammar = grammar
     logits = torch.randn(2, 49152)
-    masked = Sampler(torch.device("cpu")).apply_grammars(logits, [structured, plain])
+    masked = LogitsProcessors(torch.device("cpu")).apply_grammars(logits, [structured, plain])
     allowed = torch.isfinite(masked[0]).nonzero().flatten().tolist()
     digits = {llm.tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
     assert digits <= set(allowed) and len(allowed) < 100, f"{len(allowed)} tokens allowed where a digit must come"

@@ -144,7 +144,7 @@ def test_a_step_that_fails_on_rank_0_stops_every_rank(tiny_model_path):
     def fails(*args, **kwargs):
         raise ValueError("injected failure in rank 0's sampler")
 
-    llm.engine.runner.sampler = type("Failing", (), {"__call__": fails, "apply_grammars": lambda self, lg, s: lg})()
+    llm.engine.runner.sampler = type("Failing", (), {"__call__": fails})()
     with pytest.raises(RuntimeError, match="a tensor-parallel step failed, so its ranks were stopped.*injected"):
         llm.generate("Hello", GREEDY, use_tqdm=False)
     assert not any(worker.is_alive() for worker in workers)
