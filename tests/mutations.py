@@ -55,8 +55,8 @@ CATALOGUE = (
     ),
     Mutation(
         "m1-logprobs-after-penalties", "milestones/serving/logits_processors.py",
-        "return PickedTokens(tokens, self.logprobs(masked, rows, tokens))",
-        "return PickedTokens(tokens, self.logprobs(penalized, rows, tokens))",
+        "logprobs = self.logprobs(masked, rows, tokens)",
+        "logprobs = self.logprobs(penalized, rows, tokens)",
         ("tests/m1/test_logprobs.py::test_penalties_and_temperature_leave_the_logprobs_alone",),
         "log-probabilities reported from the penalized logits instead of the model's own",
     ),

@@ -139,19 +139,21 @@ def test_teacher_forced_logits_match_transformers_in_bfloat16_on_the_bundled_mod
 
 
 class LogitsByContext:
-    """Wraps an engine's sampler to keep, for every context it sampled after, that step's logits (as float32)."""
+    """Wraps an engine's seam to the serving layer (``runner.features.sample``) to keep, for every context it sampled
+    after, that step's logits as the model gave them, before any grammar mask or penalty (as float32)."""
 
-    def __init__(self, sampler):
-        self.sampler, self.logits = sampler, {}
+    def __init__(self, sample):
+        self.sample, self.logits = sample, {}
 
-    def __call__(self, logits, seqs):
+    def __call__(self, sampler, logits, seqs):
         for row, seq in zip(logits, seqs):
             self.logits[tuple(seq.token_ids)] = row.float()
-        return self.sampler(logits, seqs)
+        return self.sample(sampler, logits, seqs)
 
 
 def run_recording(mod, llm, prompts, settings) -> tuple[list, dict]:
-    recorder = llm.engine.runner.sampler = LogitsByContext(llm.engine.runner.sampler)
+    features = llm.engine.runner.features
+    recorder = features.sample = LogitsByContext(features.sample)
     return run(mod, llm, prompts, settings), recorder.logits
 
 
@@ -222,10 +224,11 @@ def test_the_chain_holds_in_bfloat16_without_preemption(tiny_model_factory, kind
 
 class LogitsByRow:
     """``LogitsByContext`` from m6 on, where the sampler reads ``SamplingRow``s: each row's context is taken from the
-    host's sequence when the step is prepared (m7: its guesses included), its logits when the step samples."""
+    host's sequence when the step is prepared (m7: its guesses included), its logits when the step samples, as the
+    model gave them (the seam to the serving layer, ``runner.features.sample``, is wrapped)."""
 
     def __init__(self, runner):
-        self.logits, self.contexts, self.prepare, self.sampler = {}, [], runner.prepare, runner.sampler
+        self.logits, self.contexts, self.prepare, self.sample = {}, [], runner.prepare, runner.features.sample
 
     def record_prepare(self, batch):
         inputs = self.prepare(batch)
@@ -235,20 +238,17 @@ class LogitsByRow:
             self.contexts.append(tuple(tokens[: forward.positions[row] + 1]))
         return inputs
 
-    def __call__(self, logits, rows):
+    def __call__(self, sampler, logits, rows):
         contexts, self.contexts = self.contexts[: len(rows)], self.contexts[len(rows) :]
         for row, context in zip(logits, contexts):
             self.logits[context] = row.float()
-        return self.sampler(logits, rows)
-
-    def __getattr__(self, name):
-        return getattr(self.sampler, name)
+        return self.sample(sampler, logits, rows)
 
 
 def run_recording_rows(mod, llm, prompts, settings) -> tuple[list, dict]:
     runner = llm.engine.runner
     recorder = LogitsByRow(runner)
-    runner.prepare, runner.sampler = recorder.record_prepare, recorder
+    runner.prepare, runner.features.sample = recorder.record_prepare, recorder
     return run(mod, llm, prompts, settings), recorder.logits
 
 

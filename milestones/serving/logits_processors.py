@@ -51,10 +51,15 @@ class LogitsProcessors:
         """logits: [len(rows), vocab] in fp32. The sampler picks from the masked, penalized logits; the
         log-probabilities are the masked logits', before the penalties."""
         masked = self.apply_grammars(logits, rows)  # structured requests: their format's tokens only
-        penalized = self.apply_penalties(masked, rows)
+        penalized = masked
+        if any(row.params.has_penalties for row in rows):  # each feature runs in the steps that ask for it alone
+            penalized = self.apply_penalties(masked, rows)
         tokens = sampler(penalized, rows)
         self.advance_grammars(rows, tokens)
-        return PickedTokens(tokens, self.logprobs(masked, rows, tokens))
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
+        if any(row.params.logprobs is not None for row in rows):
+            logprobs = self.logprobs(masked, rows, tokens)
+        return PickedTokens(tokens, logprobs)
     # --8<-- [end:sample]
 
     # --8<-- [start:grammars]
