@@ -9,7 +9,7 @@ For each milestone and batch size it puts B requests past their prompts, then:
 1. times --steps decode steps without a profiler (the median step is the figure);
 2. runs as many under torch.profiler with Python stacks, and sorts every operator's own
    time by where it was called from: a linear layer (``nn.Linear``, the packed oneDNN or
-   bfloat16 layers, the LM head), attention (the milestone's ``attention.py`` or the
+   bfloat16 layers, the LM head), attention (the milestone's ``attention.py``, its backend or the
    compiled decode kernel), or anything else (norms, rotary, activations, copies,
    sampling). The operators' total comes from a lighter profile without stacks; what
    the unprofiled step holds beyond it is Python and dispatch (the profiler's own cost
@@ -88,7 +88,7 @@ def category(event, milestone_dir: str) -> str:
     if event.name in LINEAR_OPS:
         return "linear"
     while event is not None:
-        if f"{milestone_dir}/attention.py" in event.name:
+        if f"{milestone_dir}/attention.py" in event.name or "kernels/attention_backends.py" in event.name:
             return "attention"
         if event.name in LINEAR_OPS or any(path in event.name for path in LINEAR_FILES) or \
                 "compute_logits" in event.name:

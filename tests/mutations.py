@@ -68,27 +68,27 @@ CATALOGUE = (
         "the attention weights rounded to bfloat16 before they multiply the values, a rounding on every weight",
     ),
     Mutation(
-        "m1-kernel-reads-before-the-write", "milestones/m1/attention.py",
-        "    k_cache.index_copy_(0, ctx.slot_mapping, k)\n    v_cache.index_copy_(0, ctx.slot_mapping, v)\n"
-        "    if (batch := ctx.kernel_batch) is not None:  # blocks of one row: [max_model_len, kv_heads, 1, dim]\n"
-        "        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables, "
-        "batch.context_lens,\n"
-        "                            q.shape[-1] ** -0.5)\n",
-        "    if (batch := ctx.kernel_batch) is not None:  # blocks of one row: [max_model_len, kv_heads, 1, dim]\n"
-        "        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables, "
-        "batch.context_lens,\n"
-        "                            q.shape[-1] ** -0.5)\n"
-        "    k_cache.index_copy_(0, ctx.slot_mapping, k)\n    v_cache.index_copy_(0, ctx.slot_mapping, v)\n",
-        ("tests/kernels/test_decode_attention.py::test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_one_row",),
+        "kernels-m1-kernel-reads-before-the-write", "milestones/kernels/attention_backends.py",
+        "        k_cache.index_copy_(0, ctx.slot_mapping, k)  # as the reference writes them\n"
+        "        v_cache.index_copy_(0, ctx.slot_mapping, v)\n"
+        "        return self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables, "
+        "rows.context_lens,\n                           q.shape[-1] ** -0.5)\n",
+        "        out = self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables, rows.context_lens,\n"
+        "                          q.shape[-1] ** -0.5)\n"
+        "        k_cache.index_copy_(0, ctx.slot_mapping, k)  # as the reference writes them\n"
+        "        v_cache.index_copy_(0, ctx.slot_mapping, v)\n"
+        "        return out\n",
+        ("tests/kernels/test_decode_attention.py::test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_"
+         "one_row",),
         "the compiled kernel called before the step's key and value are in the cache: the new token misses itself",
     ),
     Mutation(
-        "m1-kernel-given-the-cache-without-blocks", "milestones/m1/attention.py",
-        "        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables,",
-        "        return batch.kernel(q, k_cache, v_cache, batch.block_tables,",
-        ("tests/m1/test_attention.py::test_a_decode_step_with_a_kernel_batch_goes_to_the_kernel_once_the_cache_is"
-         "_written",),
-        "the compiled kernel handed the caches as they are, [rows, kv_heads, dim], where it reads blocks of one row",
+        "kernels-m1-kernel-given-the-cache-without-blocks", "milestones/kernels/attention_backends.py",
+        "        return self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables,",
+        "        return self.kernel(q, k_cache, v_cache, rows.block_tables,",
+        ("tests/kernels/test_decode_attention.py::test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_"
+         "one_row",),
+        "m1's caches handed to the compiled kernel as they are, [rows, kv_heads, dim]: it reads blocks of one row",
     ),
     Mutation(
         "m1-rope-positions-on-the-default-device", "milestones/m1/model.py",
@@ -145,10 +145,11 @@ CATALOGUE = (
         "a request attends only to this step's tokens, not to those cached before them",
     ),
     Mutation(
-        "m2-kernel-batch-ignored", "milestones/m2/attention.py",
-        "    if (batch := ctx.kernel_batch) is not None:", "    if (batch := ctx.kernel_batch) is not None and False:",
-        ("tests/m2/test_attention.py::test_with_a_kernel_batch_the_decodes_rows_come_from_the_kernel",),
-        "attention loops over ctx.requests only, and the decodes handed to the compiled kernel get no output",
+        "kernels-decode-rows-dropped", "milestones/kernels/attention_backends.py",
+        "        if (rows := ctx.metadata) is not None:\n            pool_k, pool_v",
+        "        if (rows := ctx.metadata) is not None and False:\n            pool_k, pool_v",
+        ("tests/m2/test_attention.py::test_a_decode_kernel_backend_takes_the_decodes_rows_after_the_cache_is_written",),
+        "the kernel backend takes the decodes off ctx.requests but never attends to them: their rows get no output",
     ),
     Mutation(
         "m2-decodes-out-of-arrival-order", "milestones/m2/scheduler.py",

@@ -55,7 +55,7 @@ def fast_paths(runner) -> dict[str, bool]:
     The keys are the JSON's: ``packed_linear`` stays the name the published results use.
     """
     return {
-        "decode_kernel": runner.decode_kernel is not None,
+        "decode_kernel": runner.attention.name in ("cpp", "triton"),
         "packed_linear": runner.packed_lm_head is not None,
     }
 

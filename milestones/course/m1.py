@@ -70,11 +70,7 @@ STEPS: tuple[Step, ...] = (
                    "layer's cache, `ctx.k_cache[layer]` and `ctx.v_cache[layer]`, at rows ctx.slot_mapping; then "
                    "return [n, heads, dim], each token's attention over rows 0..ctx.context_len-1: one new token "
                    "(a decode step) with decode_attention, as it sees every row; a prompt causally, token i "
-                   "seeing rows 0..i. The tests check the output and every row of the cache after each step. (If "
-                   "ctx.kernel_batch is set, a CPU speed-up, the step's attention is one call of the compiled "
-                   "kernel instead, once k and v are written: `batch.kernel(q, k, v, tables, lens, scale)` with "
-                   "this layer's caches given a block dimension of one, `k_cache[:, :, None]` and "
-                   "`v_cache[:, :, None]`, the batch's block_tables and context_lens, and `q.shape[-1] ** -0.5`.)",
+                   "seeing rows 0..i. The tests check the output and every row of the cache after each step.",
                    how="`k_cache.index_copy_(0, ctx.slot_mapping, k)`, the same for v; the keys and values are "
                    "the cache's first context_len rows, transposed to [kv_heads, context_len, dim]; for a prompt, "
                    "`F.scaled_dot_product_attention` takes [1, heads, n, dim] and `is_causal=True, "
@@ -161,8 +157,7 @@ STEPS: tuple[Step, ...] = (
                    "position) and whose context_len is num_computed_tokens + num_new; sample_rows [num_new - 1] "
                    "(only the last new token predicts), sample_seqs [seq], and prompt_rows "
                    "`PromptLogprobRows.of(seq, 0, start, start + num_new)` (the rows that score the prompt, if "
-                   "the request asks for prompt_logprobs). With self.decode_kernel set, a step of one new token "
-                   "also sets `ctx.kernel_batch = self.kernel_batch(ctx.context_len)`.",
+                   "the request asks for prompt_logprobs).",
                    how="`(seq,), (num_new,) = batch.seqs, batch.num_new_tokens`; `torch.tensor` of the token "
                    "ids and `torch.arange` of the positions, on self.device; `AttentionContext(self.k_cache, "
                    "self.v_cache, slot_mapping=positions, context_len=...)`; `ModelInputs(input_ids, positions, "

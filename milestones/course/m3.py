@@ -30,16 +30,14 @@ STEPS: tuple[Step, ...] = (
          "is where its blocks start among the tables gathered before it, in tokens; gather reads each kv head's "
          "blocks in the tables' order, end to end",
          (Exercise("model_runner.py", "prepare_inputs", ("ModelRunner.prepare_inputs",),
-                   "as in m2 (ids, positions, the rows that sample and score the prompt, decodes to "
-                   "self.kernel_batch when self.decode_kernel is set, and `ctx.ragged_batch = "
-                   "self.ragged_batch(requests, ctx.block_tables)` when self.batched_attention is set), but token "
+                   "as in m2 (ids, positions, the rows that sample and score the prompt), but token "
                    "p goes to slot `table[p // block_size] * block_size + p % block_size`, and each request's "
                    "`RequestSpan(start, end, table[: -(-end // block_size)], end)` carries its table cut to its "
                    "context. ctx.block_tables is the tables of ctx.requests one after the other; each of those "
                    "spans' first is block_size times the number of blocks before its own there. Every tensor on "
                    "self.device (the tests check it with a stand-in device).",
                    how="m2's loop over zip(batch.seqs, batch.num_new_tokens, batch.block_tables), the slots "
-                   "computed per position; then a second loop over the spans that are not decodes, setting "
+                   "computed per position; then a second loop over the spans, setting "
                    "`span.first = len(block_tables) * block_size` before adding the span's table to "
                    "block_tables; `AttentionContext(self.k_cache, self.v_cache, slot_mapping, block_tables, "
                    "requests)`, the lists made tensors with self._tensor."),

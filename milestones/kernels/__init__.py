@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention_backends import AttentionBackend, attention_backend_for
 from .batched_attention import BatchedAttention, RaggedBatch, batched_attention_for
 from .decode_attention import DTYPES as ATTENTION_DTYPES
 from .decode_attention import TRITON_DTYPES, DecodeKernel, decode_kernel_for, kv_cache_zeros, load_decode_kernel
@@ -38,9 +39,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpp", "batched", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, else torch
 
 __all__ = [
-    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "BatchedAttention", "DecodeKernel", "PackedLinear", "PanelLinear",
-    "QUANTIZATIONS", "RaggedBatch", "batched_attention_for", "check_attention_backend", "check_linear_backend",
-    "check_quantization", "decode_kernel_for",
+    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "AttentionBackend", "BatchedAttention", "DecodeKernel", "PackedLinear",
+    "PanelLinear", "QUANTIZATIONS", "RaggedBatch", "attention_backend_for", "batched_attention_for",
+    "check_attention_backend", "check_linear_backend", "check_quantization", "decode_kernel_for",
     "kv_cache_zeros", "load_decode_kernel", "onednn_available", "pack_linear_layers_for", "swap_linear_layers",
 ]
 

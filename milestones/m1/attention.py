@@ -3,9 +3,9 @@
 The cache holds one row per position: ``k_cache[layer][pos]`` is the key of the
 token at ``pos``. Each step writes the new tokens' keys and values into their
 rows (``slot_mapping``), then lets the queries attend to every row written so far.
-Prefill writes the whole prompt at once; decode writes one row per step. With the
-compiled decode kernel on (a CPU speed-up from ``milestones.kernels``) a decode step's
-attention goes to it: the same float32 sums in one call instead of a dozen operators.
+Prefill writes the whole prompt at once; decode writes one row per step. This is the
+plain-torch reference; a kernel that does the same sums faster plugs in beside it, chosen
+once by the runner (``milestones/kernels/attention_backends.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from milestones.kernels import DecodeKernel
 
 
 # --8<-- [start:context]
@@ -27,16 +25,7 @@ class AttentionContext:
     v_cache: torch.Tensor
     slot_mapping: torch.Tensor  # [num_tokens]: the cache row of each new token
     context_len: int  # rows filled once this step's tokens are written
-    kernel_batch: KernelBatch | None = None  # a decode step's request, when a compiled kernel attends to it
-
-
-@dataclass(slots=True)
-class KernelBatch:
-    """A decoding request attended to by one call of the compiled kernel, which reads the cache by a block table."""
-
-    kernel: DecodeKernel
-    block_tables: torch.Tensor  # [1, context_len]: 0, 1, 2, ...: the cache seen as blocks of one row each
-    context_lens: torch.Tensor  # [1]
+    metadata: object = None  # what a kernel backend prepared for this step; attention() never reads it
 # --8<-- [end:context]
 
 
@@ -46,9 +35,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     k_cache.index_copy_(0, ctx.slot_mapping, k)
     v_cache.index_copy_(0, ctx.slot_mapping, v)
-    if (batch := ctx.kernel_batch) is not None:  # blocks of one row: [max_model_len, kv_heads, 1, dim]
-        return batch.kernel(q, k_cache[:, :, None], v_cache[:, :, None], batch.block_tables, batch.context_lens,
-                            q.shape[-1] ** -0.5)
     keys = k_cache[: ctx.context_len].transpose(0, 1)  # [kv_heads, context_len, dim]
     values = v_cache[: ctx.context_len].transpose(0, 1)
     if q.shape[0] == 1:

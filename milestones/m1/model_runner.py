@@ -10,11 +10,10 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import attention_backend_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.serving.logits_processors import LogitsProcessors
-from milestones.transfer import to_device
 
-from .attention import AttentionContext, KernelBatch
+from .attention import AttentionContext, attention
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
@@ -39,9 +38,10 @@ class ModelRunner:
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
-        # Another: on a CPU, a decode step's attention in one compiled call (None: the lesson's attention.py).
-        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
-        self.block_table = torch.arange(config.max_model_len, device=config.device)[None]  # the kernel's, sliced
+        # Another: the attention the model calls, selected once: attention.py's, or on a CPU a decode step's in one
+        # compiled call (milestones/kernels/attention_backends.py)
+        self.attention = attention_backend_for(config, model_config, attention, "contiguous")
+        self.model.use_attention(self.attention.forward)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -59,6 +59,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Compute the batch's new tokens in one forward pass and sample one token per sequence."""
         inputs = self.prepare_inputs(batch)
+        self.attention.prepare_metadata(inputs.ctx)  # nothing, or what a kernel reads (a platform speed-up)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
         logits = self.compute_logits(hidden[inputs.sample_rows])
         sampled = self.features.sample(self.sampler, logits, inputs.sample_seqs).as_list()
@@ -73,13 +74,6 @@ class ModelRunner:
         input_ids = torch.tensor(seq.token_ids[start : start + num_new], device=self.device)
         positions = torch.arange(start, start + num_new, device=self.device)
         ctx = AttentionContext(self.k_cache, self.v_cache, slot_mapping=positions, context_len=start + num_new)
-        if num_new == 1 and self.decode_kernel is not None:
-            ctx.kernel_batch = self.kernel_batch(ctx.context_len)
         return ModelInputs(input_ids, positions, ctx, sample_rows=[num_new - 1], sample_seqs=[seq],  # the last predicts
                            prompt_rows=PromptLogprobRows.of(seq, 0, start, start + num_new))
     # --8<-- [end:prepare_inputs]
-
-    def kernel_batch(self, context_len: int) -> KernelBatch:
-        """The decode step as one call of the compiled kernel, each cache row seen as a block of one position."""
-        lens = to_device([context_len], torch.long, self.device)
-        return KernelBatch(self.decode_kernel, self.block_table[:, :context_len], lens)

@@ -7,10 +7,9 @@ reading only its own slot, up to its own length: no padding, no copies.
 
 A request in the batch is either decoding (one new token, which sees its whole
 cache) or prefilling a chunk of its prompt (several new tokens, which see the
-part of the prompt cached before them and, causally, each other). With the
-compiled decode kernel on (a CPU speed-up from ``milestones.kernels``) the decoding
-requests go to it all at once, and only the prefill chunks take the per-request path.
-On CUDA another speed-up from there, batched attention, takes every request in one call.
+part of the prompt cached before them and, causally, each other). This is the
+plain-torch reference; kernels that take the decoding requests, or every request, in one
+call plug in beside it, chosen once by the runner (``milestones/kernels/attention_backends.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from milestones.kernels import DecodeKernel, RaggedBatch
 
 
 # --8<-- [start:context]
@@ -33,8 +30,7 @@ class AttentionContext:
     token_slots: torch.Tensor  # [num_tokens]: the KV slot of each new token's request
     positions: torch.Tensor  # [num_tokens]: where in its slot each new token goes
     requests: list[RequestSpan]  # the requests that attention goes through one by one
-    kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
-    ragged_batch: RaggedBatch | None = None  # all of ``requests`` at once, when batched attention attends to them
+    metadata: object = None  # what a kernel backend prepared for this step; attention() never reads it
 
 
 @dataclass(slots=True)
@@ -47,14 +43,6 @@ class RequestSpan:
     context_len: int  # tokens it attends to, this step's included
 
 
-@dataclass(slots=True)
-class KernelBatch:
-    """Requests with one new token each, attended to by one call of the compiled kernel."""
-
-    kernel: DecodeKernel
-    rows: torch.Tensor  # [d]: the row of each request's token in the flat batch
-    block_tables: torch.Tensor  # [d, 1]: its KV slot, seen by the kernel as one block of max_model_len positions
-    context_lens: torch.Tensor  # [d]
 # --8<-- [end:context]
 
 
@@ -64,12 +52,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
     k_cache[ctx.token_slots, :, ctx.positions] = k
     v_cache[ctx.token_slots, :, ctx.positions] = v
-    if ctx.ragged_batch is not None:  # one call for the whole step, each slot read as one block of max_model_len
-        return ctx.ragged_batch(q, k_cache, v_cache)
     out = torch.empty_like(q)
-    if (batch := ctx.kernel_batch) is not None:
-        scale = q.shape[-1] ** -0.5
-        out[batch.rows] = batch.kernel(q[batch.rows], k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     for span in ctx.requests:
         keys = k_cache[span.kv_slot, :, : span.context_len]  # a view of its slot, no copy
         values = v_cache[span.kv_slot, :, : span.context_len]

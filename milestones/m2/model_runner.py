@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import attention_backend_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
-from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan
+from .attention import AttentionContext, RequestSpan, attention
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
@@ -42,11 +42,10 @@ class ModelRunner:
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
-        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
-        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
-        # And on CUDA: every request of a step in one attention call (None: request by request, as attention.py reads).
-        self.batched_attention = batched_attention_for(config.attention_backend, config.device, config.dtype,
-                                                       model_config)
+        # Another: the attention the model calls, selected once: attention.py's, or on a CPU one compiled call for every
+        # decoding request, on CUDA every request in one call (milestones/kernels/attention_backends.py)
+        self.attention = attention_backend_for(config, model_config, attention, "slots")
+        self.model.use_attention(self.attention.forward)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -64,6 +63,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         inputs = self.prepare_inputs(batch)
+        self.attention.prepare_metadata(inputs.ctx)  # nothing, or what a kernel reads (a platform speed-up)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
         prompt_logprobs = self.features.prompt_logprobs(self.compute_logits, hidden, inputs.prompt_rows)
         if not inputs.sample_seqs:  # every request is in the middle of its prompt
@@ -79,7 +79,7 @@ class ModelRunner:
     def prepare_inputs(self, batch: ScheduledBatch) -> ModelInputs:
         """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
         input_ids, positions, token_slots = [], [], []  # one entry per token
-        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        requests = []  # one span per request, attended one by one
         sample_rows, sample_seqs, prompt_rows = [], [], []
         for seq, num_new, slot in zip(batch.seqs, batch.num_new_tokens, batch.kv_slots):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -88,32 +88,15 @@ class ModelRunner:
             positions += range(start, end)
             token_slots += [slot] * num_new
             span = RequestSpan(row, row + num_new, slot, end)
-            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
+            requests.append(span)
             prompt_rows += PromptLogprobRows.of(seq, row, start, end)
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 sample_rows.append(row + num_new - 1)
                 sample_seqs.append(seq)
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(token_slots), self._tensor(positions), requests)
-        if decodes:
-            ctx.kernel_batch = self.kernel_batch(decodes)
-        if self.batched_attention is not None:
-            ctx.ragged_batch = self.ragged_batch(requests)
         return ModelInputs(self._tensor(input_ids), ctx.positions, ctx, sample_rows, sample_seqs,
                            prompt_rows)
     # --8<-- [end:prepare_inputs]
-
-    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
-        """The decoding requests as one call of the compiled kernel, each slot seen as one block of max_model_len."""
-        rows = self._tensor([span.start for span in decodes])
-        block_tables = self._tensor([[span.kv_slot] for span in decodes])
-        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
-
-    def ragged_batch(self, spans: list[RequestSpan]) -> RaggedBatch:
-        """Every request as one call of batched attention, each slot seen as one block of max_model_len."""
-        max_len = self.config.max_model_len
-        return self.batched_attention([span.end - span.start for span in spans], [span.context_len for span in spans],
-                                      [i * max_len for i in range(len(spans))],
-                                      self._tensor([span.kv_slot for span in spans]), max_len)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

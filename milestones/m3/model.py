@@ -9,6 +9,7 @@ milestone to the next; this file stays the same in all of them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.attend = attention  # attention.py's; a runner may give it a kernel backend's (CausalLM.use_attention)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v projected by one product, as vLLM's qkv_proj: the input is read once, one call instead of three.
@@ -168,7 +170,7 @@ class SelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, self.layer_index, ctx)  # [n, num_heads, head_dim]
+        out = self.attend(q, k, v, self.layer_index, ctx)  # [n, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 # --8<-- [end:self_attention]
 
@@ -247,6 +249,11 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
     # --8<-- [end:forward]
+
+    def use_attention(self, attend: Callable[..., torch.Tensor]) -> None:
+        """Attend with ``attend(q, k, v, layer, ctx)`` in every layer: the attention backend the runner selected."""
+        for layer in self.model.layers:
+            layer.self_attn.attend = attend
 
     # --8<-- [start:compute_logits]
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import attention_backend_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
-from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan
+from .attention import AttentionContext, RequestSpan, attention
 from .config import EngineConfig
 from .model import CausalLM, ModelConfig
 from .sampler import Sampler
@@ -50,11 +50,10 @@ class ModelRunner:
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
-        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
-        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
-        # And on CUDA: every request of a step in one attention call (None: request by request, as attention.py reads).
-        self.batched_attention = batched_attention_for(config.attention_backend, config.device, config.dtype,
-                                                       model_config)
+        # Another: the attention the model calls, selected once: attention.py's, or on a CPU one compiled call for every
+        # decoding request, on CUDA every request in one call (milestones/kernels/attention_backends.py)
+        self.attention = attention_backend_for(config, model_config, attention, "paged")
+        self.model.use_attention(self.attention.forward)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -72,6 +71,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
         inputs = self.prepare_inputs(batch)
+        self.attention.prepare_metadata(inputs.ctx)  # nothing, or what a kernel reads (a platform speed-up)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
         prompt_logprobs = self.features.prompt_logprobs(self.compute_logits, hidden, inputs.prompt_rows)
         if not inputs.sample_seqs:  # every request is in the middle of its prompt
@@ -88,7 +88,7 @@ class ModelRunner:
         """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
         block_size = self.config.block_size
         input_ids, positions, slot_mapping = [], [], []  # one entry per token
-        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        requests = []  # one span per request, attended one by one
         sample_rows, sample_seqs, prompt_rows = [], [], []
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -97,7 +97,7 @@ class ModelRunner:
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
-            (decodes if num_new == 1 and self.decode_kernel is not None else requests).append(span)
+            requests.append(span)
             prompt_rows += PromptLogprobRows.of(seq, row, start, end)
             if end == seq.num_tokens:  # the chunk reaches the end: its last token predicts the next one
                 sample_rows.append(row + num_new - 1)
@@ -108,25 +108,9 @@ class ModelRunner:
             block_tables += span.block_table
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(slot_mapping), self._tensor(block_tables),
                                requests)
-        if decodes:
-            ctx.kernel_batch = self.kernel_batch(decodes)
-        if self.batched_attention is not None:
-            ctx.ragged_batch = self.ragged_batch(requests, ctx.block_tables)
         return ModelInputs(self._tensor(input_ids), self._tensor(positions), ctx, sample_rows, sample_seqs,
                            prompt_rows)
     # --8<-- [end:prepare_inputs]
-
-    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
-        """The decoding requests as one call of the compiled kernel, which reads their blocks in place."""
-        rows = self._tensor([span.start for span in decodes])
-        width = max(len(span.block_table) for span in decodes)  # tables padded with block 0, never read
-        block_tables = self._tensor([span.block_table + [0] * (width - len(span.block_table)) for span in decodes])
-        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
-
-    def ragged_batch(self, spans: list[RequestSpan], block_tables: torch.Tensor) -> RaggedBatch:
-        """Every request as one call of batched attention, which reads their blocks through their tables."""
-        return self.batched_attention([span.end - span.start for span in spans], [span.context_len for span in spans],
-                                      [span.first for span in spans], block_tables, self.config.block_size)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

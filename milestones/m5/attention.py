@@ -9,11 +9,10 @@ requests' tables at once, one copy per layer, after which each request reads its
 own range exactly as in m2.
 
 This is plain torch, correct on CPU and CUDA. A real paged-attention kernel
-(vLLM's) reads the blocks in place instead of copying them, and so does the
-compiled decode kernel (a CPU speed-up from ``milestones.kernels``) when it is on:
-the decoding requests go to it with their block tables, and only the requests left
-to the torch path are gathered. On CUDA another speed-up from there, batched attention,
-takes every request of the step in one call through their block tables.
+(vLLM's) reads the blocks in place instead of copying them; such kernels plug in
+beside this reference, chosen once by the runner (``milestones/kernels/attention_backends.py``),
+and take the decoding requests, or every request, off it. m5: a captured decode step's
+rows come as ``decodes``, in fixed shapes (``paged_decode_attention``).
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from milestones.kernels import DecodeKernel, RaggedBatch
 
 
 # --8<-- [start:context]
@@ -36,8 +33,8 @@ class AttentionContext:
     slot_mapping: torch.Tensor  # [num_tokens]: block * block_size + offset of each new token
     block_tables: torch.Tensor  # the block tables of ``requests``, one after the other, gathered in one copy
     requests: list[RequestSpan]  # the requests that attention goes through one by one
-    kernel_batch: KernelBatch | None = None  # the decoding requests, when a compiled kernel attends to them
-    ragged_batch: RaggedBatch | None = None  # all of ``requests`` at once, when batched attention attends to them
+    decodes: DecodeBatch | None = None  # m5: a captured step's rows, one new token each
+    metadata: object = None  # what a kernel backend prepared for this step; attention() never reads it
 
 
 @dataclass(slots=True)
@@ -52,13 +49,11 @@ class RequestSpan:
 
 
 @dataclass(slots=True)
-class KernelBatch:
-    """Requests with one new token each, attended to by one call of the compiled kernel."""
+class DecodeBatch:
+    """m5: requests with one new token each, in the fixed shapes of a captured step."""
 
-    kernel: DecodeKernel
     rows: torch.Tensor  # [d]: the row of each request's token in the flat batch
-    block_tables: torch.Tensor  # [d, max_blocks]: each request's block table, padded past its context (never read
-    #                             there: the compiled kernel stops at the context, paged_decode_attention masks)
+    block_tables: torch.Tensor  # [d, max_blocks]: each request's block table, padded past its context (masked)
     context_lens: torch.Tensor  # [d]
 # --8<-- [end:context]
 
@@ -73,14 +68,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx
     # view of it becomes a copy of the layer's whole cache at every step (a replay: 10 -> 39 ms).
     k_cache[:, blocks, offsets] = k.transpose(0, 1)
     v_cache[:, blocks, offsets] = v.transpose(0, 1)
-    if ctx.ragged_batch is not None:  # one call for the whole step, reading the blocks through the block tables
-        return ctx.ragged_batch(q, k_cache.transpose(0, 1), v_cache.transpose(0, 1))
     out = torch.empty_like(q)
-    if (batch := ctx.kernel_batch) is not None:  # the kernel reads the blocks where they are
-        scale = q.shape[-1] ** -0.5
+    if (batch := ctx.decodes) is not None:  # m5: read through the padded tables, in place
         pool_k, pool_v = k_cache.transpose(0, 1), v_cache.transpose(0, 1)  # [blocks, kv_heads, block_size, dim] views
-        out[batch.rows] = batch.kernel(q[batch.rows], pool_k, pool_v, batch.block_tables, batch.context_lens, scale)
-    if not ctx.requests:
+        out[batch.rows] = paged_decode_attention(q[batch.rows], pool_k, pool_v, batch.block_tables,
+                                                 batch.context_lens, q.shape[-1] ** -0.5)
+    if not ctx.requests:  # a captured step, or every request taken by a kernel backend
         return out
     all_keys, all_values = gather(k_cache, ctx.block_tables), gather(v_cache, ctx.block_tables)
     for span in ctx.requests:

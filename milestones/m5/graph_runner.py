@@ -27,18 +27,18 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from milestones.kernels import DecodeKernel
+from milestones.kernels import AttentionBackend
 from milestones.transfer import HostStaging
 
-from .attention import AttentionContext, KernelBatch
+from .attention import AttentionContext, DecodeBatch
 from .model import CausalLM
 from .step import DecodeInputs
 
 
 class GraphRunner:
-    def __init__(self, model: CausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor, kernel: DecodeKernel,
+    def __init__(self, model: CausalLM, k_cache: torch.Tensor, v_cache: torch.Tensor, attention: AttentionBackend,
                  sizes: list[int], max_blocks: int) -> None:
-        self.model, self.k_cache, self.v_cache, self.kernel = model, k_cache, v_cache, kernel
+        self.model, self.k_cache, self.v_cache, self.attention = model, k_cache, v_cache, attention
         # One input per layer: torch.compile writes into a whole input in place, but a write into a slice of
         # one input ([layers, ...] indexed by layer) makes it copy the whole pool, every step.
         self.k_layers, self.v_layers = list(k_cache.unbind(0)), list(v_cache.unbind(0))
@@ -69,8 +69,9 @@ class GraphRunner:
     # --8<-- [start:forward]
     def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens, rows, k_layers, v_layers):
         """The decode step as a function of tensors alone: every row is one request's one new token."""
-        kernel_batch = KernelBatch(self.kernel, rows, block_tables, context_lens)
-        ctx = AttentionContext(k_layers, v_layers, slot_mapping, block_tables[:0, 0], [], kernel_batch)
+        ctx = AttentionContext(k_layers, v_layers, slot_mapping, block_tables[:0, 0], [],
+                               DecodeBatch(rows, block_tables, context_lens))
+        self.attention.prepare_metadata(ctx)  # a kernel backend takes the rows (a platform speed-up)
         return self.model(input_ids, positions, ctx)
     # --8<-- [end:forward]
 

@@ -15,6 +15,7 @@ only its shard of each tensor from the checkpoint (``checkpoint_tensors``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +158,7 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.attend = attention  # attention.py's; a runner may give it a kernel backend's (CausalLM.use_attention)
         # m8: this rank's query heads and KV heads, and so its rows of q, k and v and its columns of o_proj
         self.q_heads, self.kv_heads = tp.part(cfg.num_heads), tp.kv_part(cfg.num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = len(self.q_heads), len(self.kv_heads), cfg.head_dim
@@ -177,7 +179,7 @@ class SelfAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, self.layer_index, ctx)  # [n, num_heads, head_dim]
+        out = self.attend(q, k, v, self.layer_index, ctx)  # [n, num_heads, head_dim]
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 # --8<-- [end:self_attention]
 
@@ -284,6 +286,11 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
     # --8<-- [end:forward]
+
+    def use_attention(self, attend: Callable[..., torch.Tensor]) -> None:
+        """Attend with ``attend(q, k, v, layer, ctx)`` in every layer: the attention backend the runner selected."""
+        for layer in self.model.layers:
+            layer.self_attn.attend = attend
 
     # --8<-- [start:compute_logits]
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import batched_attention_for, decode_kernel_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import attention_backend_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
-from .attention import AttentionContext, KernelBatch, RaggedBatch, RequestSpan, paged_decode_attention
+from .attention import AttentionContext, RequestSpan, attention
 from .config import EngineConfig
 from .distributed import SINGLE, TensorParallel
 from .future_map import FutureMap
@@ -53,7 +53,7 @@ from .step import (
 
 class ModelRunner:
     """Two threads use it: the host calls ``prepare`` (with ``prepare_inputs`` and ``decode_inputs``), the forward
-    worker calls ``execute`` and everything that calls (``device_inputs``, ``kernel_batch``, ``ragged_batch``, the
+    worker calls ``execute`` and everything that calls (``device_inputs``, the attention's ``prepare_metadata``, the
     graph runner, the sampler, the future map's ``resolve_`` and ``store``)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_path: Path,
@@ -92,10 +92,10 @@ class ModelRunner:
         self.packed_lm_head = pack_linear_layers_for(config.linear_backend, self.model, config.device, config.dtype,
                                                      config.quantization)
         self.compute_logits = self.model.compute_logits if self.packed_lm_head is None else self.packed_lm_head
-        # Another: on a CPU, one compiled call for every decoding request (None: the lesson's attention.py).
-        self.decode_kernel = decode_kernel_for(config.attention_backend, config.device, config.dtype)
-        # And on CUDA: every request of a step in one attention call (None: request by request, as attention.py reads).
-        self.batched_attention = batched_attention_for(config.attention_backend, config.device, config.dtype, heads)
+        # Another: the attention the model calls, selected once: attention.py's, or on a CPU one compiled call for every
+        # decoding request, on CUDA every request in one call (milestones/kernels/attention_backends.py)
+        self.attention = attention_backend_for(config, heads, attention, "paged")
+        self.model.use_attention(self.attention.forward)
         self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
         self.num_eager_steps = 0
 
@@ -106,7 +106,7 @@ class ModelRunner:
                           "enforce_eager=True to silence this)", stacklevel=3)
             return None
         max_blocks = -(-self.config.max_model_len // self.config.block_size)
-        graph_runner = GraphRunner(self.model, self.k_cache, self.v_cache, self.decode_kernel or paged_decode_attention,
+        graph_runner = GraphRunner(self.model, self.k_cache, self.v_cache, self.attention,
                                    self.config.cudagraph_capture_sizes, max_blocks)
         with torch.inference_mode():
             graph_runner.capture()
@@ -173,6 +173,7 @@ class ModelRunner:
             return self.graph_runner.run(forward, self.future_map), {}
         self.num_eager_steps += 1
         input_ids, positions, ctx = self.device_inputs(forward)
+        self.attention.prepare_metadata(ctx)  # nothing, or what a kernel reads (a platform speed-up)
         hidden = self.model(input_ids, positions, ctx)
         prompt_logprobs = self.features.prompt_logprobs(self.logits, hidden, forward.prompt_rows)
         rows = self._tensor(forward.sample_rows)  # a tensor from pinned memory: a list index would
@@ -188,7 +189,7 @@ class ModelRunner:
         """Every request's new tokens, one after the other in one flat batch, and where their keys and values go."""
         block_size = self.config.block_size
         input_ids, positions, slot_mapping = [], [], []  # one entry per token
-        requests, decodes = [], []  # one span per request: attended one by one, or by the compiled kernel
+        requests = []  # one span per request (m7: per guessed row), attended one by one
         sample_rows, sample_seqs, prompt_rows = [], [], []
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -198,10 +199,10 @@ class ModelRunner:
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             span = RequestSpan(row, row + num_new, table[: -(-end // block_size)], end)
-            if self.decode_kernel is None or (num_new > 1 and start + 1 < len(seq.token_ids)):  # a prompt chunk
+            if start + 1 < len(seq.token_ids):  # a chunk of a prompt
                 requests.append(span)
-            else:  # one token, or m7: a token and its guesses, a kernel row apiece as in a replayed step
-                decodes += [RequestSpan(row + i, row + i + 1, span.block_table, start + i + 1) for i in range(num_new)]
+            else:  # m7: the last token and its guesses, a row apiece as in a replayed step, each seeing the rows before
+                requests += [RequestSpan(row + i, row + i + 1, span.block_table, start + i + 1) for i in range(num_new)]
             prompt_rows += PromptLogprobRows.of(seq, row, start, end)
             if end == len(tokens):  # the chunk reaches the end: its last token, and each guess, predicts the next one
                 num_rows = 1 + len(seq.draft_token_ids)
@@ -211,8 +212,8 @@ class ModelRunner:
         for span in requests:
             span.first = len(block_tables) * block_size
             block_tables += span.block_table
-        return ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, decodes, sample_rows,
-                           sample_seqs, prompt_rows)
+        return ModelInputs(input_ids, positions, slot_mapping, block_tables, requests, sample_rows, sample_seqs,
+                           prompt_rows)
 
     def device_inputs(self, inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
         """The eager step's tensors, made on the worker; future ids resolved to the tokens they stand for."""
@@ -220,10 +221,6 @@ class ModelRunner:
         self.future_map.resolve_(input_ids)
         ctx = AttentionContext(self.k_cache, self.v_cache, self._tensor(inputs.slot_mapping),
                                self._tensor(inputs.block_tables), inputs.requests)
-        if inputs.decodes:
-            ctx.kernel_batch = self.kernel_batch(inputs.decodes)
-        if self.batched_attention is not None:
-            ctx.ragged_batch = self.ragged_batch(inputs.requests, ctx.block_tables)
         return input_ids, self._tensor(inputs.positions), ctx
     # --8<-- [end:prepare_inputs]
 
@@ -263,18 +260,6 @@ class ModelRunner:
             "padded_rows": graphs.num_padded_rows if graphs else 0,
             "capture_seconds": graphs.capture_seconds if graphs else 0.0,
         }
-
-    def kernel_batch(self, decodes: list[RequestSpan]) -> KernelBatch:
-        """The decoding requests as one call of the compiled kernel, which reads their blocks in place."""
-        rows = self._tensor([span.start for span in decodes])
-        width = max(len(span.block_table) for span in decodes)  # tables padded with block 0, never read
-        block_tables = self._tensor([span.block_table + [0] * (width - len(span.block_table)) for span in decodes])
-        return KernelBatch(self.decode_kernel, rows, block_tables, self._tensor([span.context_len for span in decodes]))
-
-    def ragged_batch(self, spans: list[RequestSpan], block_tables: torch.Tensor) -> RaggedBatch:
-        """Every request as one call of batched attention, which reads their blocks through their tables."""
-        return self.batched_attention([span.end - span.start for span in spans], [span.context_len for span in spans],
-                                      [span.first for span in spans], block_tables, self.config.block_size)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

@@ -45,7 +45,6 @@ class ModelInputs:
     slot_mapping: list[int]  # where each token's key and value go
     block_tables: list[int]  # the blocks of ``requests``, one after the other
     requests: list[RequestSpan]  # attended one by one
-    decodes: list[RequestSpan]  # attended by the compiled kernel in one call
     sample_rows: list[int]  # rows whose output predicts a sequence's next token
     sample_seqs: list[Sequence]  # the sequence of each of those rows (the host's: the worker reads none of it)
     prompt_rows: list[PromptLogprobRows]  # rows that score a prompt's own tokens, for requests that ask

@@ -250,7 +250,7 @@ def test_defaults_on_a_gpu_are_cuda_bfloat16_without_cpu_fast_paths(tiny_model_p
     llm = mod.LLM(tiny_model_path, max_model_len=128)
     config, runner = llm.engine.config, llm.engine.runner
     assert config.device.type == "cuda" and config.dtype == torch.bfloat16
-    assert runner.packed_lm_head is None and runner.decode_kernel is None
+    assert runner.packed_lm_head is None and runner.attention.name not in ("cpp", "triton")
     out = llm.generate(["Hello there"], mod.SamplingParams(temperature=0.8, seed=5, max_tokens=8), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
 
@@ -298,7 +298,7 @@ def test_batched_attention_chain_on_cuda_in_float32(tiny_model_factory, mod, mon
     calls = counted_calls(monkeypatch)
     with mod.LLM(path, **limits, attention_backend="batched") as llm:
         runner = llm.engine.runner
-        assert runner.batched_attention.name == "padded"
+        assert runner.attention.name == "padded"
         assert_same_outputs(run(mod, llm, prompts, settings), reference, atol=CUDA_LOGPROB_ATOL)
         num_layers, eager_steps = len(runner.model.model.layers), runner.num_eager_steps
     assert eager_steps > 0 and len(calls) == num_layers * eager_steps, (len(calls), num_layers, eager_steps)
@@ -380,8 +380,8 @@ def test_triton_decode_engine_captures_it_and_matches_torch_on_cuda(tiny_model_f
         reference = run(m5, llm, prompts, settings)
     with m5.LLM(path, **limits, attention_backend="triton") as llm:
         runner = llm.engine.runner
-        assert runner.decode_kernel is triton_decode.paged_decode_attention and runner.batched_attention is None
-        assert runner.graph_runner.kernel is triton_decode.paged_decode_attention
+        assert runner.attention.name == "triton" and runner.attention.kernel is triton_decode.paged_decode_attention
+        assert runner.graph_runner.attention is runner.attention
         assert_same_outputs(run(m5, llm, prompts, settings), reference, atol=CUDA_LOGPROB_ATOL)
         llm.engine.check_integrity()
         stats = llm.engine.graph_stats()

@@ -22,6 +22,7 @@ import milestones.m2.attention as m2_attention
 import milestones.m5.attention as m5_attention
 from milestones import m2, m4, m5, m7
 from milestones.kernels import ATTENTION_BACKENDS, batched_attention_for, check_attention_backend
+from milestones.kernels.attention_backends import CacheLayout, RaggedAttention, TorchAttention
 from milestones.kernels.batched_attention import BatchedAttention, PaddedBatch, probe_varlen, varlen_kernel
 from milestones.m5.attention import AttentionContext, RequestSpan, attention
 from tests.chain import assert_same_outputs, mixed_workload, run
@@ -85,11 +86,10 @@ def attend(step: PagedStep, batched_attention: BatchedAttention | None) -> torch
     """m5's attention over a fresh copy of the pool: request by request (None) or in one batched call."""
     tables = torch.tensor(step.block_tables, device=step.q.device)
     ctx = AttentionContext(step.k_cache.clone(), step.v_cache.clone(), step.slot_mapping, tables, step.spans)
-    if batched_attention is not None:
-        query_lens = [span.end - span.start for span in step.spans]
-        ctx.ragged_batch = batched_attention(query_lens, [span.context_len for span in step.spans],
-                                             [span.first for span in step.spans], tables, step.k_cache.shape[3])
-    return attention(step.q, step.k, step.v, 0, ctx)
+    backend = (TorchAttention(attention) if batched_attention is None
+               else RaggedAttention(batched_attention, attention, CacheLayout("paged")))
+    backend.prepare_metadata(ctx)
+    return backend.forward(step.q, step.k, step.v, 0, ctx)
 
 
 def varlen_stand_in(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_q: torch.Tensor,
@@ -170,11 +170,11 @@ def test_m2_slots_read_as_blocks_of_max_model_len():
     outs = []
     for layout in (None, BatchedAttention("padded", None), BatchedAttention("varlen", varlen_stand_in)):
         ctx = m2_attention.AttentionContext(k_cache.clone(), v_cache.clone(), torch.tensor(token_slots),
-                                            torch.tensor(positions), spans)
-        if layout is not None:
-            ctx.ragged_batch = layout([s.end - s.start for s in spans], [s.context_len for s in spans],
-                                      [i * max_len for i in range(len(spans))], torch.tensor(kv_slots), max_len)
-        outs.append(m2_attention.attention(q, k, v, 0, ctx))
+                                            torch.tensor(positions), list(spans))
+        backend = (TorchAttention(m2_attention.attention) if layout is None
+                   else RaggedAttention(layout, m2_attention.attention, CacheLayout("slots")))
+        backend.prepare_metadata(ctx)
+        outs.append(backend.forward(q, k, v, 0, ctx))
     for out in outs[1:]:
         assert_within(out, outs[0], torch.float32, "m2")
 
@@ -255,7 +255,7 @@ def test_engine_gives_the_default_tokens(tiny_model_path, mod):
     prompts, settings = mixed_workload(12, seed=5, max_prompt=90, max_output=24)
     reference = run(mod, mod.LLM(tiny_model_path, **LIMITS), prompts, settings)
     llm = mod.LLM(tiny_model_path, **LIMITS, attention_backend="batched")
-    assert llm.engine.runner.batched_attention.name == "padded" and llm.engine.runner.decode_kernel is None
+    assert llm.engine.runner.attention.name == "padded"
     assert_same_outputs(run(mod, llm, prompts, settings), reference)
 
 

@@ -8,6 +8,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch
 import milestones.kernels.build as kernel_build
 import milestones.kernels.decode_attention as decode_attention_build
 from milestones import m1, m2
-from milestones.m1.attention import AttentionContext, KernelBatch, attention
+from milestones.kernels.attention_backends import attention_backend_for
+from milestones.m1.attention import AttentionContext, attention
 from milestones.m2.attention import decode_attention
 from tests.chain import assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
@@ -101,12 +103,16 @@ def test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_one_ro
     q, k, v = torch.randn(1, heads, dim).to(dtype), *(torch.randn(1, kv_heads, dim).to(dtype) for _ in range(2))
     row = torch.tensor([filled - 1])
     lesson = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled)
-    calls = []  # the kernel through a stand-in that counts its calls: attention must not fall back to torch
-    counted = KernelBatch(lambda *args: calls.append(args) or kernel(*args), torch.arange(filled)[None],
-                          torch.tensor([filled]))
-    ours = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled, kernel_batch=counted)
-    expected, out = attention(q, k, v, 1, lesson), attention(q, k, v, 1, ours)
-    assert len(calls) == 1, "with ctx.kernel_batch set, a decode step's attention is one call of batch.kernel"
+    ours = AttentionContext(*(c.clone() for c in caches), slot_mapping=row, context_len=filled)
+    config = SimpleNamespace(attention_backend="cpp", device=CPU, dtype=dtype, max_model_len=max_len)
+    backend = attention_backend_for(config, None, attention, "contiguous")
+    calls = []  # the kernel through a stand-in that counts its calls: the backend must not fall back to torch
+    backend.kernel = lambda *args: calls.append(args) or kernel(*args)
+    backend.prepare_metadata(ours)
+    expected, out = attention(q, k, v, 1, lesson), backend.forward(q, k, v, 1, ours)
+    assert len(calls) == 1, "m1's kernel backend attends to a decode step in one call of its kernel"
+    assert calls[0][1].shape == (max_len, kv_heads, 1, dim), "m1's cache rows, seen as blocks of one position"
+    assert calls[0][3].tolist() == [list(range(filled))], "the block table 0, 1, ..., context_len - 1"
     assert out.dtype == dtype
     assert torch.equal(ours.k_cache, lesson.k_cache) and torch.equal(ours.v_cache, lesson.v_cache)
     torch.testing.assert_close(out, expected, atol=tolerance / 4, rtol=tolerance)
@@ -121,9 +127,9 @@ def test_the_backends_give_the_same_tokens(tiny_model_path, mod):
         limits |= dict(max_num_seqs=5, max_num_batched_tokens=24)
     reference = run(mod, mod.LLM(tiny_model_path, attention_backend="torch", **limits), prompts, settings)
     llm = mod.LLM(tiny_model_path, attention_backend="cpp", **limits)
-    runner, calls = llm.engine.runner, []
-    kernel = runner.decode_kernel
-    runner.decode_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
+    backend, calls = llm.engine.runner.attention, []
+    kernel = backend.kernel
+    backend.kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
     assert_same_outputs(run(mod, llm, prompts, settings), reference)
     assert len(calls) > 100, "the decodes did not go to the kernel"
 
@@ -139,7 +145,7 @@ def test_auto_falls_back_to_torch_when_the_kernel_cannot_be_built(monkeypatch, t
         decode_attention_build.decode_kernel_for("cpp", CPU, torch.float32)
     with pytest.warns(UserWarning, match="plain-torch attention"):
         llm = mod.LLM(tiny_model_path, device="cpu", max_model_len=128, attention_backend="auto")
-    assert llm.engine.runner.decode_kernel is None
+    assert llm.engine.runner.attention.name == "torch"
     out = llm.generate([[5, 6, 7]], mod.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -24,6 +24,8 @@ import torch
 import milestones.kernels.decode_attention as decode_attention
 from milestones import m5
 from milestones.kernels import check_attention_backend
+from milestones.kernels.attention_backends import CacheLayout, DecodeKernelAttention
+from milestones.m5 import attention as m5_attention
 from milestones.m5.attention import paged_decode_attention
 from tests.chain import assert_same_outputs, mixed_workload, run
 
@@ -219,6 +221,8 @@ def test_m5_eager_decodes_through_the_kernel_give_the_lessons_tokens(tiny_model_
         calls.append(len(args[0]))
         return triton_decode.paged_decode_attention(*args)
 
-    llm.engine.runner.decode_kernel = counted
+    runner = llm.engine.runner  # the backend "triton" selects on CUDA, given to the model as the runner would
+    runner.attention = DecodeKernelAttention("triton", counted, m5_attention.attention, CacheLayout("paged"))
+    runner.model.use_attention(runner.attention.forward)
     assert_same_outputs(run(m5, llm, prompts, settings), reference)
     assert len(calls) > 20 and max(calls) > 1, "the decodes did not go to the kernel in batches"

@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import (
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from milestones.m1.attention import AttentionContext, KernelBatch, attention, decode_attention
+from milestones.m1.attention import AttentionContext, attention, decode_attention
 from milestones.m1.model import ModelConfig, SelfAttention
 from tests.checkpoints import checkpoint_config, stacked_qkv
 
@@ -87,41 +87,6 @@ def test_attention_writes_the_cache_and_matches_causal_attention(prompt_len):
                      "the k and v passed to attention()")
         expect_close(f"attention() output [tokens, 9 heads, 64], {what(start, end)}", out, full[0, start:end],
                      FLOAT32)
-
-
-def test_a_decode_step_with_a_kernel_batch_goes_to_the_kernel_once_the_cache_is_written():
-    """The CPU's compiled kernel (a speed-up, on by default) reads the cache by a block table, each row a block of
-    one position: checked here, with a stand-in that attends as the kernel does, so that a wrong call fails at this
-    step and not first in the loop's (step 8), where the real kernel runs."""
-    total, layer, calls = 8, 1, []
-    generator = torch.Generator().manual_seed(3)
-    q = torch.randn(total, 9, 64, generator=generator)
-    k, v = torch.randn(total, 3, 64, generator=generator), torch.randn(total, 3, 64, generator=generator)
-    full, _ = eager_attention_forward(grouped(9, 3), q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                      v.transpose(0, 1)[None], causal_mask(0, total), scaling=64**-0.5)
-
-    def kernel(q_, k_blocks, v_blocks, block_tables, context_lens, scale):
-        calls.append(int(context_lens[0]))
-        for name, blocks in (("k", k_blocks), ("v", v_blocks)):
-            assert blocks.shape == (ROWS, 3, 1, 64), (
-                f"the kernel takes this layer's {name} cache as blocks of one row, `{name}_cache[:, :, None]` of "
-                f"shape [rows, kv_heads, 1, dim] = {(ROWS, 3, 1, 64)}; got {tuple(blocks.shape)}")
-        assert scale == 64**-0.5, f"the kernel's scale is `q.shape[-1] ** -0.5` = {64**-0.5}, got {scale}"
-        rows = block_tables[0, : int(context_lens[0])]
-        return decode_attention(q_, k_blocks[rows, :, 0].transpose(0, 1), v_blocks[rows, :, 0].transpose(0, 1))
-
-    k_cache, v_cache = torch.zeros(3, ROWS, 3, 64), torch.zeros(3, ROWS, 3, 64)
-    for start, end in chunks(total - 3, total):
-        batch = KernelBatch(kernel, torch.arange(ROWS)[None, :end], torch.tensor([end])) if end - start == 1 else None
-        ctx = AttentionContext(k_cache, v_cache, slot_mapping=torch.arange(start, end), context_len=end,
-                               kernel_batch=batch)
-        out = attention(q[start:end], k[start:end], v[start:end], layer, ctx)
-        expect_cache(k_cache, v_cache, layer, end, k[:end], v[:end], what(start, end), "the k and v passed")
-        expect_close(f"attention() output with ctx.kernel_batch set, {what(start, end)} (the kernel reads the "
-                     "cache after this step's rows are written)", out, full[0, start:end], FLOAT32)
-    assert calls == [total - 2, total - 1, total], (
-        f"each decode step with ctx.kernel_batch set calls batch.kernel once, with the step's context length: "
-        f"expected calls at {[total - 2, total - 1, total]}, got {calls}")
 
 
 def compare_with_cache(ours: SelfAttention, theirs: torch.nn.Module, hf_config, x: torch.Tensor, prompt_len: int,

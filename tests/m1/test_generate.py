@@ -104,27 +104,6 @@ def test_prepare_inputs_for_the_prefill_and_a_decode_step(llm):
         seq.token_ids.append(11)
 
 
-def test_with_a_decode_kernel_a_decode_step_gets_a_kernel_batch(llm, monkeypatch):
-    """With self.decode_kernel set, a step of one new token carries ctx.kernel_batch: the kernel, the block table
-    0, 1, ..., context_len - 1 (m1's cache rows as blocks of one position) and [context_len]. A prefill does not.
-    A stand-in kernel: prepare_inputs never calls it."""
-    runner, prompt = llm.engine.runner, [5, 6, 7, 8, 9]
-    stand_in = object()
-    monkeypatch.setattr(runner, "decode_kernel", stand_in)
-    seq = Sequence("r", None, prompt, SamplingParams(), seed=0, detokenizer=IncrementalDetokenizer(None, prompt, []))
-    prefill = runner.prepare_inputs(ScheduledBatch([seq], [5]))
-    assert prefill.ctx.kernel_batch is None, "a prefill of several tokens is attended to by torch, not the kernel"
-    seq.num_computed_tokens, seq.token_ids = 5, prompt + [11]
-    batch = runner.prepare_inputs(ScheduledBatch([seq], [1])).ctx.kernel_batch
-    assert batch is not None and batch.kernel is stand_in, (
-        "with self.decode_kernel set, a decode step sets ctx.kernel_batch = self.kernel_batch(ctx.context_len)"
-    )
-    assert batch.block_tables.tolist() == [list(range(6))] and batch.context_lens.tolist() == [6], (
-        f"the kernel batch reads rows {batch.block_tables.tolist()} of {batch.context_lens.tolist()}: expected "
-        "[[0, 1, 2, 3, 4, 5]] and [6], the prompt's five rows and the decoded token's"
-    )
-
-
 def test_execute_computes_the_logits_of_the_last_row_only(llm, monkeypatch):
     """Only the step's last token predicts: the LM head, the largest matrix, runs over that one row."""
     runner, prompt = llm.engine.runner, [5, 6, 7, 8, 9]

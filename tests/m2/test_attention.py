@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from milestones.m2.attention import AttentionContext, KernelBatch, RequestSpan, attention
+from milestones.kernels.attention_backends import CacheLayout, DecodeKernelAttention
+from milestones.m2.attention import AttentionContext, RequestSpan, attention
 
 LAYERS, SLOTS, KV_HEADS, HEADS, MAX_LEN, DIM = 2, 3, 2, 4, 16, 8
 LAYER = 1
@@ -69,32 +70,29 @@ def test_each_request_attends_to_its_own_slot_up_to_itself():
         )
 
 
-def test_with_a_kernel_batch_the_decodes_rows_come_from_the_kernel():
-    """Y's row goes to ctx.kernel_batch's kernel (a stand-in that records its call), X's chunk still to the loop."""
+def test_a_decode_kernel_backend_takes_the_decodes_rows_after_the_cache_is_written():
+    """The CPU's compiled kernel (milestones/kernels/attention_backends.py) takes Y's row, each slot seen as one block
+    of max_model_len; X's chunk is left to this attention(). A stand-in kernel records its call."""
     q, k, v, ctx, positions = the_step()
-    ctx.requests = ctx.requests[1:]
     calls = []
 
     def kernel(q_rows, k_cache, v_cache, block_tables, context_lens, scale):
-        calls.append((q_rows.clone(), k_cache, v_cache, block_tables, context_lens, scale,
+        calls.append((q_rows.clone(), k_cache, v_cache, block_tables.tolist(), context_lens.tolist(), scale,
                       k_cache[0, :, positions[0]].clone()))
         return torch.full_like(q_rows, 7.0)
 
-    rows, tables, lens = torch.tensor([0]), torch.tensor([[0]]), torch.tensor([5])
-    ctx.kernel_batch = KernelBatch(kernel, rows, tables, lens)
-    out = attention(q, k, v, LAYER, ctx)
+    backend = DecodeKernelAttention("cpp", kernel, attention, CacheLayout("slots"))
+    backend.prepare_metadata(ctx)
+    assert [(span.start, span.end) for span in ctx.requests] == [(1, 4)], "the backend leaves X's chunk to attention()"
+    out = backend.forward(q, k, v, LAYER, ctx)
     assert len(calls) == 1, f"the kernel was called {len(calls)} times: once per layer, for every decode at once"
     q_rows, k_cache, v_cache, block_tables, context_lens, scale, seen = calls[0]
-    assert torch.equal(q_rows, q[rows]), "the kernel gets the decodes' queries, q[batch.rows]"
-    assert k_cache.shape == ctx.k_cache[LAYER].shape and k_cache.data_ptr() == ctx.k_cache[LAYER].data_ptr(), (
-        f"the kernel got a key cache of shape {tuple(k_cache.shape)}: it takes this layer's, ctx.k_cache[layer]"
-    )
-    assert v_cache.data_ptr() == ctx.v_cache[LAYER].data_ptr(), "the kernel takes this layer's value cache"
-    assert block_tables is tables and context_lens is lens, "the kernel gets batch.block_tables, batch.context_lens"
+    assert torch.equal(q_rows, q[[0]]), "the kernel gets the decodes' queries"
+    same = k_cache.data_ptr() == ctx.k_cache[LAYER].data_ptr() and v_cache.data_ptr() == ctx.v_cache[LAYER].data_ptr()
+    assert same, "the kernel takes this layer's caches, each slot a block"
+    assert block_tables == [[0]] and context_lens == [5], f"Y's slot and length: got {block_tables}, {context_lens}"
     assert abs(scale - DIM**-0.5) < 1e-12, f"the kernel's scale is {scale}, expected head_dim ** -0.5"
-    assert torch.equal(seen, k[0]), "the kernel ran before Y's new key was in the cache: write the cache first"
-    assert torch.equal(out[0], torch.full_like(out[0], 7.0)), (
-        "out[batch.rows] is what the kernel returned: the decodes' rows come from it, not from the loop"
-    )
+    assert torch.equal(seen, k[0]), "the kernel ran before Y's new key was in the cache"
+    assert torch.equal(out[0], torch.full_like(out[0], 7.0)), "Y's row is what the kernel returned"
     want = expected(q[1:], ctx.k_cache[LAYER, 2], ctx.v_cache[LAYER, 2], positions[1:])
-    assert (out[1:].double() - want).abs().max() < 1e-5, "X's chunk, in ctx.requests, still goes through the loop"
+    assert (out[1:].double() - want).abs().max() < 1e-5, "X's chunk, left in ctx.requests, goes through attention()"

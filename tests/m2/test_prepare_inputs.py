@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from milestones import m2
-from milestones.m2.attention import RequestSpan
+from milestones.kernels.attention_backends import CacheLayout, DecodeKernelAttention
+from milestones.m2.attention import RequestSpan, attention
 from milestones.m2.detokenizer import IncrementalDetokenizer
 from milestones.m2.sequence import Sequence
 from milestones.m2.step import ScheduledBatch
@@ -79,7 +80,7 @@ def test_the_chapters_step_three_decodes_and_a_chunk(runner):
     )
     check_spans(inputs.ctx.requests, [RequestSpan(0, 1, 0, 8), RequestSpan(1, 2, 1, 13), RequestSpan(2, 3, 3, 5),
                                       RequestSpan(3, 8, 2, 21)], ["A", "B", "C", "D"])
-    assert inputs.ctx.kernel_batch is None, "no decode kernel here (attention_backend='torch'): kernel_batch is None"
+    assert inputs.ctx.metadata is None, "no kernel here (attention_backend='torch'): prepare_inputs sets no metadata"
     assert inputs.sample_rows == [0, 1, 2], (
         f"sample_rows is {inputs.sample_rows}, the chapter's [0, 1, 2]: the last row of each request whose chunk "
         "reaches the end of its tokens; D's chunk stops at token 20 of 40 and predicts nothing anyone needs"
@@ -103,25 +104,20 @@ def test_a_whole_prompt_and_a_chunk_that_ends_its_prompt_both_sample_their_last_
     )
 
 
-def test_with_a_decode_kernel_the_decodes_go_to_kernel_batch(runner, monkeypatch):
-    """With self.decode_kernel set, a request with one new token goes to self.kernel_batch(decodes), not to
-    ctx.requests. A stand-in kernel: prepare_inputs never calls it."""
-    stand_in = object()
-    monkeypatch.setattr(runner, "decode_kernel", stand_in)
+def test_a_decode_kernel_backend_takes_the_decodes_off_ctx_requests(runner):
+    """The CPU's kernel backend (milestones/kernels/attention_backends.py) takes every request with one new token
+    off the spans prepare_inputs made, each with its slot as its block table. A stand-in kernel: never called."""
     _, batch = the_chapters_step()
     inputs = runner.prepare_inputs(batch)
+    DecodeKernelAttention("cpp", object(), attention, CacheLayout("slots")).prepare_metadata(inputs.ctx)
     assert inputs.ctx.token_slots.tolist() == [0, 1, 3, 2, 2, 2, 2, 2], "token_slots: decodes get theirs too"
     check_spans(inputs.ctx.requests, [RequestSpan(3, 8, 2, 21)], ["D"])
-    kernel_batch = inputs.ctx.kernel_batch
-    assert kernel_batch is not None and kernel_batch.kernel is stand_in, (
-        "with self.decode_kernel set, the decodes' spans go to ctx.kernel_batch = self.kernel_batch(decodes)"
+    rows = inputs.ctx.metadata
+    assert rows.rows.tolist() == [0, 1, 2] and rows.block_tables.tolist() == [[0], [1], [3]], (
+        f"the kernel's rows are {rows.rows.tolist()} and slots {rows.block_tables.tolist()}, expected A's, B's and "
+        "C's: [0, 1, 2] and [[0], [1], [3]]: the spans' start and kv_slot"
     )
-    assert kernel_batch.rows.tolist() == [0, 1, 2] and kernel_batch.block_tables.tolist() == [[0], [1], [3]], (
-        f"the kernel batch has rows {kernel_batch.rows.tolist()} and slots {kernel_batch.block_tables.tolist()}, "
-        "expected A's, B's and C's: [0, 1, 2] and [[0], [1], [3]]"
-    )
-    assert kernel_batch.context_lens.tolist() == [8, 13, 5], "a decode's context_len counts its new token"
-    assert inputs.sample_rows == [0, 1, 2], "decodes sample whether the kernel or torch attends to them"
+    assert rows.context_lens.tolist() == [8, 13, 5], "a decode's context_len counts its new token"
 
 
 def test_prompt_logprob_rows_start_at_the_requests_first_row(runner):

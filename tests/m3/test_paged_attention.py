@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from milestones.kernels import load_decode_kernel
-from milestones.m3.attention import AttentionContext, KernelBatch, RequestSpan, attention, gather
+from milestones.kernels.attention_backends import CacheLayout, DecodeKernelAttention, TorchAttention
+from milestones.m3.attention import AttentionContext, RequestSpan, attention, gather
 from tests.conftest import needs_compiler
 
 HEADS, KV_HEADS, DIM, LAYERS = 6, 2, 16, 2
@@ -45,7 +46,7 @@ def test_gather_reads_the_tables_blocks_in_order():
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel):
-    """With the kernel on, decodes read their blocks in place and only prefill chunks are gathered."""
+    """With the kernel backend on, decodes read their blocks in place and only prefill chunks are gathered."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = 7 * 80 // block_size + 20  # room for 7 requests of up to 80 tokens
@@ -58,7 +59,7 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
     history = {
         i: (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for i, (c, n) in enumerate(requests)
     }
-    slot_mapping, new_k, new_v, all_tables, spans, decodes = [], [], [], [], [], []
+    slot_mapping, new_k, new_v, all_tables, spans = [], [], [], [], []
     q = torch.randn(sum(n for _, n in requests), HEADS, DIM)
     row = 0
     for i, (cached, n) in enumerate(requests):
@@ -70,22 +71,17 @@ def test_paged_equals_contiguous_for_ragged_batches(block_size, seed, use_kernel
             v_cache[0, :, table[p // block_size], p % block_size] = values[p]
         slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
         new_k.append(keys[cached:]), new_v.append(values[cached:])
-        if use_kernel and n == 1:
-            decodes.append((row, table, total))
-        else:
-            spans.append(RequestSpan(row, row + n, table, total, first=len(all_tables) * block_size))
-            all_tables += table
+        spans.append(RequestSpan(row, row + n, table, total, first=len(all_tables) * block_size))
+        all_tables += table
         row += n
     ctx = AttentionContext(
         k_cache, v_cache, torch.tensor(slot_mapping), torch.tensor(all_tables, dtype=torch.long), spans
     )
-    assert decodes or not use_kernel, "the kernel case must have decodes to send to the kernel"
-    if decodes:
-        width = max(len(table) for _, table, _ in decodes)
-        tables = torch.tensor([table + [0] * (width - len(table)) for _, table, _ in decodes])
-        rows, lengths = torch.tensor([r for r, _, _ in decodes]), torch.tensor([t for _, _, t in decodes])
-        ctx.kernel_batch = KernelBatch(load_decode_kernel(), rows, tables, lengths)
-    out = attention(q, torch.cat(new_k), torch.cat(new_v), 0, ctx)
+    backend = (DecodeKernelAttention("cpp", load_decode_kernel(), attention, CacheLayout("paged")) if use_kernel
+               else TorchAttention(attention))
+    backend.prepare_metadata(ctx)
+    assert (ctx.metadata is not None) == use_kernel, "the kernel backend takes the decodes; torch's takes nothing"
+    out = backend.forward(q, torch.cat(new_k), torch.cat(new_v), 0, ctx)
     rows = [0]
     for _, n in requests:
         rows.append(rows[-1] + n)

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from milestones import m3
+from milestones.kernels.attention_backends import CacheLayout, DecodeKernelAttention
+from milestones.m3.attention import attention
 from milestones.m3.detokenizer import IncrementalDetokenizer
 from milestones.m3.sequence import Sequence
 from milestones.m3.step import ScheduledBatch
@@ -114,28 +116,24 @@ def test_the_chapters_slot_table_a_chunk_and_a_decode(runner):
     assert decode.sample_rows == [0], "a decode's one row samples the next token"
 
 
-def test_with_a_decode_kernel_decodes_leave_ctx_requests_and_first_counts_the_others(runner, monkeypatch):
-    """With a compiled kernel the decodes go to ctx.kernel_batch (their tables read in place); only the others are
-    gathered, so the first span after a decode still starts at 0. A stand-in kernel: prepare_inputs never calls it."""
-    stand_in = object()
-    monkeypatch.setattr(runner, "decode_kernel", stand_in)
+def test_a_decode_kernel_backend_takes_the_decodes_and_first_counts_the_others(runner):
+    """The CPU's kernel backend (milestones/kernels/attention_backends.py) takes the decodes off ctx.requests (their
+    tables read in place); only the others are gathered, so the first span after a decode starts at 0 again. A
+    stand-in kernel: never called."""
     d, p = request("D", 10, 9), request("P", 7, 4)
     inputs = prepare(runner, (d, 1, [5, 2, 7]), (p, 3, [4, 0]))
+    DecodeKernelAttention("cpp", object(), attention, CacheLayout("paged")).prepare_metadata(inputs.ctx)
     assert inputs.ctx.slot_mapping.tolist() == [29, *slots([4, 0], range(4, 7))], (
         "slot_mapping: decodes get their slots like any token, kernel or not"
     )
-    assert [span.start for span in inputs.ctx.requests] == [1], (
-        "with self.decode_kernel set, a request with one new token goes to self.kernel_batch(decodes), not to "
-        "ctx.requests: only P (row 1) is attended in torch"
-    )
+    assert [span.start for span in inputs.ctx.requests] == [1], "only P (row 1) is left to attention()"
     check_span(inputs.ctx.requests[0], "P", 1, 4, [4, 0], 7, first=0)
     assert inputs.ctx.block_tables.tolist() == [4, 0], "ctx.block_tables holds the tables of ctx.requests only"
-    batch = inputs.ctx.kernel_batch
-    assert batch is not None and batch.kernel is stand_in, "the decodes go to ctx.kernel_batch = self.kernel_batch(...)"
-    assert batch.rows.tolist() == [0] and batch.block_tables.tolist() == [[5, 2, 7]], (
-        "the kernel batch holds D's row and its table (cut to its context)"
+    rows = inputs.ctx.metadata
+    assert rows.rows.tolist() == [0] and rows.block_tables.tolist() == [[5, 2, 7]], (
+        "the kernel's rows hold D's row and its table (cut to its context)"
     )
-    assert batch.context_lens.tolist() == [10], "a decode's context_len counts its new token"
+    assert rows.context_lens.tolist() == [10], "a decode's context_len counts its new token"
 
 
 def test_prompt_logprob_rows_start_at_the_requests_first_row(runner):

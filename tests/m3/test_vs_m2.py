@@ -42,9 +42,9 @@ def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, referen
 def test_m3_with_the_compiled_kernel_matches_m2(tiny_model_path, workload, reference):
     """Decodes read their blocks in place through padded block tables, under preemption and an odd block size."""
     llm = m3.LLM(tiny_model_path, block_size=7, num_kv_blocks=25, attention_backend="cpp", **LIMITS)
-    runner, calls = llm.engine.runner, []
-    kernel = runner.decode_kernel
-    runner.decode_kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
+    backend, calls = llm.engine.runner.attention, []
+    kernel = backend.kernel
+    backend.kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
     assert_same_outputs(run(m3, llm, *workload), reference)
     assert llm.engine.kv_usage()["num_preemptions"] >= 10
     assert len(calls) > 100 and max(calls) > 1, "the decodes did not go to the kernel"
@@ -53,7 +53,7 @@ def test_m3_with_the_compiled_kernel_matches_m2(tiny_model_path, workload, refer
 def test_m3_with_plain_torch_attention_matches_m2(tiny_model_path, workload, reference):
     """The reference path (gather every block table, per-request torch attention), preempting as well."""
     llm = m3.LLM(tiny_model_path, block_size=16, num_kv_blocks=12, attention_backend="torch", **LIMITS)
-    assert llm.engine.runner.decode_kernel is None
+    assert llm.engine.runner.attention.name == "torch"
     assert_same_outputs(run(m3, llm, *workload), reference)
     assert llm.engine.kv_usage()["num_preemptions"] >= 10
 

@@ -47,7 +47,7 @@ def message_ranks(size: int, work) -> list:
 def steps() -> list:
     """Steps of every kind and size, as rank 0 sends them: a decode step, a prefill, a long one, then None (stop)."""
     decode = ShardStep(DecodeInputs([5, -3], [7, 12], [7, 28], [[0], [1, 2]], [8, 13]), [-1, -2])
-    prefill = ShardStep(ModelInputs([11, 12, 13], [0, 1, 2], [16, 17, 18], [1], [RequestSpan(0, 3, [1], 3)], [], [2],
+    prefill = ShardStep(ModelInputs([11, 12, 13], [0, 1, 2], [16, 17, 18], [1], [RequestSpan(0, 3, [1], 3)], [2],
                                     [], []), [-3])
     long = ShardStep(DecodeInputs(list(range(5000)), list(range(5000)), list(range(5000)), [[0]] * 5000,
                                   [1] * 5000), [])
