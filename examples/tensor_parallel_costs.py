@@ -74,7 +74,7 @@ def a_step_message() -> ShardStep:
     """What rank 0 sends for a decode step of 8 requests, 300 tokens into their sequences."""
     tables = [list(range(i * 20, i * 20 + 19)) for i in range(8)]
     forward = ModelInputs([-1 - i for i in range(8)], [300] * 8, [t[-1] * 16 + 12 for t in tables], sum(tables, []),
-                          [], [], list(range(8)), [], [])
+                          [], list(range(8)), [], [])
     return ShardStep(forward, [-9 - i for i in range(8)])
 
 
