@@ -1,4 +1,5 @@
-"""Engine options checked from a table: a line per option, saying what its value must be.
+"""Engine options checked from a table: a line per option, saying what its value must be; and the device and
+dtype every milestone resolves alike.
 
 Not a lesson: every milestone adds options, and with a table each one costs its
 milestone a line (``"async_scheduling": FLAG``), not another ``if``. Checks that relate
@@ -12,6 +13,8 @@ import os
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TypeVar
+
+import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,3 +68,33 @@ def nested(cls: type[Config], given: object, table: dict[str, Kind], name: str) 
     except ValueError as error:
         raise ValueError(f"{name}: {error}") from None
     return config
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The CPU or a CUDA GPU that is really there (None: CUDA if present); anything else is refused now rather than
+    failing later."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """float32, bfloat16 or float16, by name or as a torch dtype (None: bfloat16 on CUDA, float32 on a CPU)."""
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype; use 'float32', 'bfloat16' or 'float16'")
+        dtype = getattr(torch, dtype)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    return dtype

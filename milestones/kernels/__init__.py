@@ -41,9 +41,16 @@ LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, 
 __all__ = [
     "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "AttentionBackend", "BatchedAttention", "DecodeKernel", "PackedLinear",
     "PanelLinear", "QUANTIZATIONS", "RaggedBatch", "attention_backend_for", "batched_attention_for",
-    "check_attention_backend", "check_linear_backend", "check_quantization", "decode_kernel_for",
+    "check_attention_backend", "check_linear_backend", "check_platform", "check_quantization", "decode_kernel_for",
     "kv_cache_zeros", "load_decode_kernel", "onednn_available", "pack_linear_layers_for", "swap_linear_layers",
 ]
+
+def check_platform(config, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse an engine config whose speed-up switches cannot run here (each milestone's ``resolve`` calls this)."""
+    check_linear_backend(config.linear_backend, device, dtype)
+    check_quantization(config.quantization, device, dtype, config.linear_backend)
+    check_attention_backend(config.attention_backend, device, dtype)
+
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse an unknown name, or "cpp" or "triton" where the kernel cannot run."""

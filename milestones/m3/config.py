@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from milestones import options
-from milestones.kernels import check_attention_backend, check_linear_backend, check_quantization
+from milestones.kernels import check_platform
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -31,14 +31,8 @@ class EngineConfig:
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
-        device = _resolve_device(self.device)
-        dtype = self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        if isinstance(dtype, str):
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"dtype {dtype!r} is not a torch dtype; use 'float32', 'bfloat16' or 'float16'")
-            dtype = getattr(torch, dtype)
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        device = options.resolve_device(self.device)
+        dtype = options.resolve_dtype(self.dtype, device)
         max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
             raise ValueError(
@@ -53,9 +47,7 @@ class EngineConfig:
         if self.block_size > max_len:
             raise ValueError(f"block_size ({self.block_size}) is larger than max_model_len ({max_len}): no request "
                              "could ever fill a block; use a smaller block_size (16 is the default)")
-        check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
-        check_quantization(self.quantization, device, dtype, self.linear_backend)  # another one
-        check_attention_backend(self.attention_backend, device, dtype)  # another one
+        check_platform(self, device, dtype)  # the switches of the platform speed-ups (milestones.kernels)
         return replace(self, device=device, dtype=dtype, max_model_len=max_len)
 
 
@@ -70,19 +62,3 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
 }
 # --8<-- [end:options]
 
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    """The CPU or a CUDA GPU that is really there; anything else is refused now rather than failing later."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
-    return device

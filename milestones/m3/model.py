@@ -3,74 +3,23 @@
 Every forward works on a *flat* batch: ``input_ids`` and ``positions`` are 1-D
 tensors of the tokens being computed this step. How those tokens find their keys
 and values is the job of ``attention.py``, the only piece that changes from one
-milestone to the next; this file stays the same in all of them.
+milestone to the next; this file stays the same in all of them. Its config and weights are
+read from the checkpoint by ``milestones/hf_checkpoint.py``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
+from milestones.hf_checkpoint import ModelConfig, load_checkpoint
+
 from .attention import AttentionContext, attention
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
-@dataclass(slots=True, frozen=True)
-class ModelConfig:
-    """The architecture numbers we need, read from a Hugging Face config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    rope_theta: float
-    rope_scaling: dict | None
-
-    @classmethod
-    def from_hf(cls, hf) -> ModelConfig:
-        if hf.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {hf.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported; only 'silu'")
-        # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs keep them apart.
-        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-        theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        num_heads = hf.num_attention_heads
-        return cls(
-            model_type=hf.model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=hf.model_type == "qwen3",
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else rope,
-        )
 
 
 # --8<-- [start:rmsnorm]
@@ -262,31 +211,8 @@ class CausalLM(nn.Module):
     # --8<-- [end:compute_logits]
 
     def load_weights(self, folder: Path) -> None:
-        """Copy every ``*.safetensors`` tensor in ``folder`` into the module of that name (q, k and v: qkv_proj)."""
-        files = sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {folder}")
-        params = self.checkpoint_tensors()
-        loaded = set()
-        for file in files:
-            for name, tensor in load_file(file).items():
-                if name not in params:
-                    if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                        continue  # some checkpoints store the tied head anyway
-                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for {self.config.model_type}")
-                expected = params[name]
-                if tensor.shape != expected.shape:  # copy_ would broadcast a [1, n] tensor without a word
-                    raise ValueError(f"{file.name}: tensor {name!r} has shape {list(tensor.shape)}, but config.json "
-                                     f"makes it {list(expected.shape)}: the weights and the config do not match")
-                if not tensor.is_floating_point():
-                    raise ValueError(f"{file.name}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
-                                     "(float32, bfloat16 or float16)")
-                expected.copy_(tensor)
-                loaded.add(name)
-        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = set(params) - loaded - tied
-        if missing:
-            raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        """Copy every checkpoint tensor in ``folder`` into the module of that name (q, k and v: qkv_proj)."""
+        load_checkpoint(folder, self.checkpoint_tensors(), self.config)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a checkpoint names, as what to copy it into: a parameter's data, or for q, k and v their rows

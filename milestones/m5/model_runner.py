@@ -10,14 +10,13 @@ runs eagerly, exactly as in m4.
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
 from milestones.kernels import attention_backend_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels.cpu_graphs import cpp_compiler_available
 from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
 
@@ -174,7 +173,3 @@ class ModelRunner:
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)
 
-
-def cpp_compiler_available() -> bool:
-    """torch.compile on a CPU writes C++ and needs a compiler ($CXX, else c++) to build it."""
-    return shutil.which(os.environ.get("CXX", "c++")) is not None

@@ -17,7 +17,6 @@ the worker's threads compete with the caller's for the same cores.
 from __future__ import annotations
 
 import functools
-import itertools
 import random
 import threading
 import time
@@ -65,7 +64,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, self.model_config, path)
         self.scheduler = Scheduler(self.config)
         self._seeds = random.Random(self.config.seed)
-        self._ids = itertools.count()
         self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.parents = ParentRequests()  # requests with n > 1, each made of a child request per sample
         self.num_steps = 0  # steps processed
@@ -83,10 +81,7 @@ class LLMEngine:
         params = checked_params(params)
         token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         check_length(len(token_ids), params.max_tokens, self.config.max_model_len)
-        request_id = self._new_request_id() if request_id is None else str(request_id)
-        children = [ParentRequest.child_id(request_id, index) for index in range(params.n)] if params.n > 1 else []
-        if any(self._in_use(r) for r in [request_id, *children]):
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        request_id, children = self.parents.claim_ids(request_id, params.n, self.scheduler.find)  # n > 1: an id each
         if not children:
             self.scheduler.add(self._sequence(request_id, prompt, token_ids, params))
             return request_id
@@ -107,16 +102,6 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.stop),
             grammar=self.structured.grammar(params.structured_outputs) if params.structured_outputs else None,
         )
-
-    def _in_use(self, request_id: str) -> bool:
-        return self.scheduler.find(request_id) is not None or self.parents.uses(request_id)
-
-    def _new_request_id(self) -> str:
-        """The next automatic id that no unfinished request uses (a caller may have picked "7" already)."""
-        request_id = str(next(self._ids))
-        while self._in_use(request_id):
-            request_id = str(next(self._ids))
-        return request_id
 
     # --8<-- [start:step]
     @serialized

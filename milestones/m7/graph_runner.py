@@ -19,15 +19,14 @@ after a large one can never read another request's stale blocks.
 
 from __future__ import annotations
 
-import threading
 import time
-import types
 from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from milestones.kernels import AttentionBackend
+from milestones.kernels.cpu_graphs import compiled_replay, own_method
 from milestones.transfer import HostStaging
 
 from .attention import AttentionContext, DecodeBatch
@@ -80,7 +79,7 @@ class GraphRunner:
     def capture(self) -> None:
         """Capture every bucket, the largest first (on CUDA all share one memory pool, sized by the first)."""
         start, pool = time.perf_counter(), None
-        forward = _own_method(self.forward) if self.k_cache.device.type == "cpu" else None  # what torch.compile takes
+        forward = own_method(self.forward) if self.k_cache.device.type == "cpu" else None  # what torch.compile takes
         for size in tqdm(self.sizes[::-1], desc="Capturing the decode step", unit="batch size"):
             buffers = self.buffers(size)
             if self.k_cache.device.type == "cuda":
@@ -91,13 +90,8 @@ class GraphRunner:
                     output = self.forward(*buffers)
                 pool = graph.pool()
                 self.replays[size] = _graph_replay(graph, output)
-            else:
-                # Every size is one more compiled entry of this runner's forward: allow many.
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
-                compiled = torch.compile(forward, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS)
-                with torch._inductor.config.patch(freezing=True):  # read as dynamo traces: no option of compile
-                    compiled(*buffers)  # the first call compiles (or loads inductor's cache from disk)
-                self.replays[size] = _compiled_replay(compiled, buffers)
+            else:  # torch.compile for this bucket's buffers (its CPU tuning: milestones/kernels/cpu_graphs.py)
+                self.replays[size] = compiled_replay(forward, buffers)
         self.capture_seconds = time.perf_counter() - start
     # --8<-- [end:capture]
 
@@ -144,53 +138,3 @@ def _graph_replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable
         return output  # the captured step always writes its result here
     return replay
 
-
-def _compiled_replay(compiled: Callable, buffers: tuple[torch.Tensor, ...]) -> Callable[[], torch.Tensor]:
-    def replay() -> torch.Tensor:
-        # Only the guards that tell the buckets apart (their buffers' shapes) are checked: a bucket is always called
-        # with its own buffers, so the others held when it compiled and hold at every replay. By hand, taking turns:
-        # a bfloat16 batch-1 replay 9.6 -> 8.7 ms, a float32 one 15.1 -> 14.3 ms. The stance is one setting for the
-        # whole process, set and restored around the call: the lock keeps replays in other threads (another engine's
-        # worker) from restoring it out of order; a compiled function of another thread, called meanwhile, skips too.
-        with _SKIP_GUARDS, torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return compiled(*buffers)
-    return replay
-
-
-_SKIP_GUARDS = threading.Lock()
-
-
-# --8<-- [start:own_entries]
-def _own_method(method: Callable) -> Callable:
-    """The bound method over a copy of its code. torch.compile files what it compiled, with the guards that say when
-    it applies, under the code object: with a copy per runner, one runner's entries are never tried for another's
-    calls (another engine, another model), so they need no guards on the runner."""
-    function = method.__func__
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
-    return types.MethodType(copy, method.__self__)
-
-
-def _guards_on_arguments(guards: list) -> list[bool]:
-    """Keep the guards on the step's arguments (the buffers' shapes, one entry per bucket) and global state; drop
-    those named from the runner, most of the ~5,000 on it and its model (each module's hooks, attributes, types).
-    Dynamo checks what is kept (a replay, only those that tell the buckets apart): with all of them, a millisecond of
-    a 13 ms step on two cores. So after capture nothing may swap a module or change a number the step reads (weights
-    changed in place are still read)."""
-    return [not guard.name.startswith("self") for guard in guards]
-# --8<-- [end:own_entries]
-
-
-# --8<-- [start:compile_options]
-# How torch.compile builds a CPU bucket. Besides the model's own work, a replay runs inductor's Python wrapper around
-# it, a line or more per operator: each option below takes lines out of it (measured on the benchmarks page).
-COMPILE_OPTIONS = {
-    "guard_filter_fn": _guards_on_arguments,  # check only the guards on the step's arguments
-    # No check of each input's and output's shape, strides and alignment at every replay (about 500 a step).
-    "size_asserts": False,
-    "alignment_asserts": False,
-    # Frozen (capture's ``freezing=True``), the weights are constants of the compiled step, not ~250 inputs gathered
-    # from the model at every replay. They stay the model's own tensors, not copies: one changed in place is read.
-    "cpp.weight_prepack": False,  # and in torch's layout: with the plain torch backend, the products stay m4's
-}
-# --8<-- [end:compile_options]

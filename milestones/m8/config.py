@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from milestones import options
-from milestones.kernels import check_attention_backend, check_linear_backend, check_quantization
+from milestones.kernels import check_platform
 
 from .distributed import torchrun_world_size
 
@@ -42,14 +42,8 @@ class EngineConfig:
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
-        device = _resolve_device(self.device)
-        dtype = self.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        if isinstance(dtype, str):
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"dtype {dtype!r} is not a torch dtype; use 'float32', 'bfloat16' or 'float16'")
-            dtype = getattr(torch, dtype)
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        device = options.resolve_device(self.device)
+        dtype = options.resolve_dtype(self.dtype, device)
         max_len = min(model_max_len, DEFAULT_MAX_MODEL_LEN) if self.max_model_len is None else self.max_model_len
         if not isinstance(max_len, int) or not 1 < max_len <= model_max_len:
             raise ValueError(
@@ -64,9 +58,7 @@ class EngineConfig:
         if self.block_size > max_len:
             raise ValueError(f"block_size ({self.block_size}) is larger than max_model_len ({max_len}): no request "
                              "could ever fill a block; use a smaller block_size (16 is the default)")
-        check_linear_backend(self.linear_backend, device, dtype)  # a platform speed-up (milestones.kernels)
-        check_quantization(self.quantization, device, dtype, self.linear_backend)  # another one
-        check_attention_backend(self.attention_backend, device, dtype)  # another one
+        check_platform(self, device, dtype)  # the switches of the platform speed-ups (milestones.kernels)
         speculative = self.speculative_config
         if speculative is not None:
             speculative = SpeculativeConfig.from_dict(speculative)
@@ -84,11 +76,9 @@ class EngineConfig:
         # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
-        if speculative is not None and overlap:
-            if self.async_scheduling is True:
-                raise ValueError("async_scheduling=True cannot overlap speculative steps: the proposer needs each "
-                                 "request's latest token on the host; pass async_scheduling=False or 'auto'")
-            overlap = False  # every step waits for the one before it, whose tokens the proposer reads
+        if speculative is not None and self.async_scheduling is True:  # "auto": the engine's step() waits instead
+            raise ValueError("async_scheduling=True cannot overlap speculative steps: the proposer needs each "
+                             "request's latest token on the host; pass async_scheduling=False or 'auto'")
         # m8: gloo's collectives cannot be compiled into a CPU "graph" (torch.compile): several ranks run eagerly
         ranks = self.tensor_parallel_size > 1 or torchrun_world_size() == 1  # torchrun's job of one joins a group
         if ranks and self.quantization is not None:
@@ -181,19 +171,3 @@ def default_capture_sizes(device: torch.device, max_num_seqs: int, rows_per_seq:
     return sorted({size for size in base if size < largest or size == rows_per_seq} | {largest})
 # --8<-- [end:default_capture_sizes]
 
-
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    """The CPU or a CUDA GPU that is really there; anything else is refused now rather than failing later."""
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {str(device)!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu'")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"device {str(device)!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
-    return device

@@ -21,63 +21,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
+
+from milestones.hf_checkpoint import ModelConfig, load_checkpoint
 
 from .attention import AttentionContext, attention
 from .distributed import SINGLE, TensorParallel
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-
-@dataclass(slots=True, frozen=True)
-class ModelConfig:
-    """The architecture numbers we need, read from a Hugging Face config."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    rope_theta: float
-    rope_scaling: dict | None
-
-    @classmethod
-    def from_hf(cls, hf) -> ModelConfig:
-        if hf.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {hf.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported; only 'silu'")
-        # transformers >= 5 keeps theta and scaling in `rope_parameters`; older configs keep them apart.
-        rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-        theta = rope.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        num_heads = hf.num_attention_heads
-        return cls(
-            model_type=hf.model_type,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_position_embeddings=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=hf.model_type == "qwen3",
-            rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else rope,
-        )
 
 
 # --8<-- [start:rmsnorm]
@@ -303,28 +252,12 @@ class CausalLM(nn.Module):
     def load_weights(self, folder: Path) -> None:
         """Copy every ``*.safetensors`` tensor in ``folder`` into the module of that name (q, k and v: qkv_proj).
         m8: only this rank's shard of each is read from the file."""
-        files = sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {folder}")
-        params = self.checkpoint_tensors()
-        loaded = set()
-        for file in files:
-            with safe_open(file, framework="pt") as checkpoint:
-                for name in checkpoint.keys():
-                    if name not in params:
-                        if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                            continue  # some checkpoints store the tied head anyway
-                        raise ValueError(f"{file.name}: unexpected tensor {name!r} for {self.config.model_type}")
-                    self._copy_shard(file.name, name, checkpoint.get_slice(name), params[name])
-                    loaded.add(name)
-        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = set(params) - loaded - tied
-        if missing:
-            raise ValueError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        load_checkpoint(folder, self.checkpoint_tensors(), self.config, copy=self._copy_shard)
 
     @staticmethod
-    def _copy_shard(file: str, name: str, stored, shard: Shard) -> None:
+    def _copy_shard(file: str, name: str, checkpoint, shard: Shard) -> None:
         """Read the rows (or columns) ``shard`` names of a stored tensor, and only those, into its target."""
+        stored = checkpoint.get_slice(name)
         full = list(stored.get_shape())
         if len(full) != shard.target.dim() or len(full) <= shard.dim:
             raise ValueError(f"{file}: tensor {name!r} has shape {full}, but config.json makes it "

@@ -13,6 +13,8 @@ the first has its first token, to find the whole prompt cached and compute only 
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -79,11 +81,29 @@ def merged_metrics(samples: list[RequestMetrics], n: int) -> RequestMetrics:
 
 
 class ParentRequests:
-    """The engine's unfinished requests with n > 1, found by their own id or by a child's."""
+    """The engine's unfinished requests with n > 1, found by their own id or by a child's; and new requests' ids."""
 
     def __init__(self) -> None:
         self.by_id: dict[str, ParentRequest] = {}
         self.by_child: dict[str, ParentRequest] = {}
+        self._ids = itertools.count()  # the automatic request ids: "0", "1", ...
+
+    def claim_ids(self, request_id: str | None, n: int, find: Callable[[str], object]) -> tuple[str, list[str]]:
+        """A new request's id (None: the next automatic one no unfinished request uses: a caller may have picked
+        "7" already) and, for n > 1, its samples'; an id an unfinished request holds (``find`` finds it in the
+        scheduler, or a parent or sample uses it) is refused."""
+        def in_use(name: str) -> bool:
+            return find(name) is not None or self.uses(name)
+
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while in_use(request_id):
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
+        children = [ParentRequest.child_id(request_id, index) for index in range(n)] if n > 1 else []
+        if any(in_use(name) for name in [request_id, *children]):
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        return request_id, children
 
     def add(self, parent: ParentRequest) -> None:
         self.by_id[parent.request_id] = parent

@@ -111,7 +111,7 @@ def test_replaying_never_recompiles(captured):
 
 
 def test_a_replay_leaves_guard_checks_on_for_the_rest_of_the_process(captured):
-    """A replay skips the guards that cannot fail (graph_runner._compiled_replay) through a process-wide stance: it
+    """A replay skips the guards that cannot fail (milestones/kernels/cpu_graphs.py) through a process-wide stance: it
     must be back to checking every guard once the replay returns, or other compiled code would run unchecked."""
     from torch._dynamo import eval_frame
 
