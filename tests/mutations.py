@@ -172,8 +172,8 @@ CATALOGUE = (
         "every request's prompt rows are read from the top of the packed batch",
     ),
     Mutation(
-        "m3-prompt-scored-twice-after-preemption", "milestones/m3/sequence.py",
-        "self.prompt_logprobs += scores[len(self.prompt_logprobs) - first :]", "self.prompt_logprobs += scores",
+        "serving-prompt-scored-twice-after-preemption", "milestones/serving/outputs.py",
+        "seq.prompt_logprobs += scores[len(seq.prompt_logprobs) - first :]", "seq.prompt_logprobs += scores",
         ("tests/m3/test_vs_m2.py::test_m3_matches_m2_under_heavy_preemption",),
         "a preempted request that recomputes its prompt appends the scores it already had",
     ),

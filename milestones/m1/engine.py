@@ -18,7 +18,7 @@ import time
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
-from milestones.serving.outputs import RequestOutput
+from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
 from milestones.serving.sampling_params import SamplingParams, checked_params
@@ -103,13 +103,11 @@ class LLMEngine:
         self.num_steps += 1
         outputs = []
         for seq, num_new, sampled in zip(batch.seqs, batch.num_new_tokens, output.sampled):
-            if seq.request_id in output.prompt_logprobs:  # its rows read positions num_computed_tokens on
-                seq.add_prompt_logprobs(seq.num_computed_tokens + 1, output.prompt_logprobs[seq.request_id])
+            keep_prompt_logprobs(seq, seq.num_computed_tokens + 1, output.prompt_logprobs)  # if it asked for them
             seq.num_computed_tokens += num_new
             if sampled is None:  # part of a prompt that is still being prefilled
                 continue
-            if sampled.logprobs is not None:
-                seq.output_logprobs.append(sampled.logprobs)
+            keep_logprobs(seq, sampled.logprobs)  # if it asked for them
             self._append_token(seq, sampled.token_id)
             if seq.is_finished:
                 self.scheduler.finish(seq)

@@ -51,13 +51,6 @@ class Sequence:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # nothing comes before the first token to predict it
 
-    def add_prompt_logprobs(self, first: int, scores: list[dict[int, Logprob]]) -> None:
-        """The scores of the prompt tokens at ``first``, ``first + 1``, ...; those already held are kept (a request
-        preempted and recomputed scores its prompt again)."""
-        assert first <= len(self.prompt_logprobs), (
-            f"request {self.request_id!r}: prompt token {first} scored before token {len(self.prompt_logprobs)}")
-        self.prompt_logprobs += scores[len(self.prompt_logprobs) - first :]
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -29,7 +29,7 @@ import weakref
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
-from milestones.serving.outputs import RequestOutput
+from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
 from milestones.serving.sampling_params import SamplingParams, checked_params
@@ -187,15 +187,13 @@ class LLMEngine:
         for seq, before, computed in zip(launched.seqs, launched.num_computed_before, launched.num_computed_after):
             if seq.status is SequenceStatus.RUNNING:  # not preempted or finished since: the blocks are still its own
                 seq.num_processed_tokens = computed  # written: from now on the prefix cache may share them
-                if seq.request_id in output.prompt_logprobs:  # its rows read positions ``before`` on
-                    seq.add_prompt_logprobs(before + 1, output.prompt_logprobs[seq.request_id])
+                keep_prompt_logprobs(seq, before + 1, output.prompt_logprobs)  # its rows read from ``before`` on
         changed: dict[str, Sequence] = {}
         for row, token, logprobs in zip(launched.rows, output.tokens.tolist(), output.logprobs):
             seq = row.seq
             if seq.is_finished or row.index >= seq.num_tokens:  # finished meanwhile, or (m7) past a rejected guess
                 continue
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs)
+            keep_logprobs(seq, logprobs)  # if it asked for them
             self._accept_token(seq, row.index, token)
             if seq.is_finished:
                 drop_pending_tokens(seq)  # the step in flight computes one token too many for it

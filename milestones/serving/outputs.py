@@ -82,3 +82,21 @@ class RequestOutput:
         return cls(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished, seq.metrics,
                    cached, prompt_logprobs)
     # --8<-- [end:from_sequence]
+
+
+def keep_logprobs(seq: Any, logprobs: dict[int, Logprob] | None) -> None:
+    """A sampled token's log-probabilities, kept for the request's output (None: it did not ask for them)."""
+    if logprobs is not None:
+        seq.output_logprobs.append(logprobs)
+
+
+def keep_prompt_logprobs(seq: Any, first: int, scored: dict[str, list[dict[int, Logprob]]]) -> None:
+    """The scores a step gave the request's prompt tokens at ``first``, ``first + 1``, ... (only a request that asked
+    for prompt_logprobs has some); those already held are kept (a request preempted and recomputed scores its prompt
+    again)."""
+    scores = scored.get(seq.request_id)
+    if scores is None:
+        return
+    assert first <= len(seq.prompt_logprobs), (
+        f"request {seq.request_id!r}: prompt token {first} scored before token {len(seq.prompt_logprobs)}")
+    seq.prompt_logprobs += scores[len(seq.prompt_logprobs) - first :]
