@@ -233,6 +233,15 @@ def test_overlap_cannot_be_forced_on_with_speculation(tiny_model_path):
         m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM, async_scheduling=True)
 
 
+def test_with_overlap_on_step_waits_for_each_step_while_guessing(tiny_model_path, workload, reference):
+    """What "auto" resolves to on CUDA, overlap on, made here by hand: with a proposer, step() runs m5's loop (the
+    proposer reads each request's latest token on the host), and the tokens are m6's."""
+    with speculating(m7.LLM(tiny_model_path, **LIMITS, speculative_config=NGRAM), workload[0], reference) as llm:
+        llm.engine.config.async_scheduling = True
+        assert_same_outputs(run(m7, llm, *workload), reference, workload[1])
+        assert_guessed_both_ways(llm)
+
+
 @pytest.mark.real_model
 def test_ngram_guesses_real_text_and_m7_still_matches_m6(bundled_model_path):
     """Asked to copy a passage, the model repeats it: prompt lookup guesses it, and most guesses are kept."""
