@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def default_size(model_config, device) -> int:
     """The --tensor-parallel-size when none is given (see its help)."""
-    from milestones.m8.distributed import check_tensor_parallel, torchrun_world_size
+    from milestones.m8.distributed import check_tensor_parallel
+    from milestones.runtime.torchrun import torchrun_world_size
 
     if (world_size := torchrun_world_size()) is not None:
         return world_size

@@ -561,7 +561,7 @@ def chapter_word_range() -> tuple:
 
 C = config
 S = shapes
-EXECUTOR = "milestones/m8/executor.py"
+PROCESSES = "milestones/runtime/processes.py"
 
 FIGURES = [
     # ---- README.md
@@ -762,8 +762,8 @@ FIGURES = [
                     f"{S()['params'] / 1e6:.0f}")),
     Figure("m8.md", r"`COLLECTIVE_TIMEOUT` \(§ s\)",
            lambda: (source_match("milestones/m8/distributed.py", r"COLLECTIVE_TIMEOUT = timedelta\(seconds=(\d+)\)"),)),
-    Figure("m8.md", r"`START_TIMEOUT` \(§ s", lambda: (f"{constant(EXECUTOR, 'START_TIMEOUT'):.0f}",)),
-    Figure("m8.md", r"`STOP_TIMEOUT` \(§ s\)", lambda: (f"{constant(EXECUTOR, 'STOP_TIMEOUT'):.0f}",)),
+    Figure("m8.md", r"`START_TIMEOUT` \(§ s", lambda: (f"{constant(PROCESSES, 'START_TIMEOUT'):.0f}",)),
+    Figure("m8.md", r"`STOP_TIMEOUT` \(§ s\)", lambda: (f"{constant(PROCESSES, 'STOP_TIMEOUT'):.0f}",)),
     Figure("m8.md", r"gloo's all-reduce of a small tensor takes about\s+§ ms between § ranks",
            lambda: all_reduce_ms()),
     Figure("m8.md", r"SmolLM2 makes § of them a step", lambda: (str(2 * C()["num_hidden_layers"] + 1),)),

@@ -14,13 +14,14 @@ joins a group of one, and its collectives run: that is how one GPU checks the NC
 
 from __future__ import annotations
 
-import os
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from milestones.runtime.torchrun import torchrun_world_size
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=20)  # the longest a rank waits for the others inside a step
 IDLE_TIMEOUT = timedelta(days=365)  # the other ranks wait for the next step as long as the engine is idle
@@ -118,18 +119,6 @@ def join(store: dist.Store, rank: int, size: int, device: torch.device) -> Tenso
         compute = dist.ProcessGroupGloo(dist.PrefixStore("compute", store), rank, size, COLLECTIVE_TIMEOUT)
     return TensorParallel(rank, size, compute, messages)
 # --8<-- [end:join]
-
-
-def torchrun_world_size() -> int | None:
-    """How many processes ``torchrun`` started (it sets these variables); None: this one was not started by it."""
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    return int(os.environ["WORLD_SIZE"]) if all(name in os.environ for name in names) else None
-
-
-def torchrun_store() -> tuple[dist.Store, int]:
-    """The store of torchrun's rendezvous (``MASTER_ADDR``/``MASTER_PORT``), and this process's rank."""
-    store, rank, _ = next(dist.rendezvous("env://"))
-    return store, rank
 
 
 # --8<-- [start:check]

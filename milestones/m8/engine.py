@@ -76,7 +76,7 @@ class LLMEngine:
         try:
             self.runner = ModelRunner(self.config, self.model_config, path, self.workers.tp if self.workers else SINGLE)
             if self.workers is not None:
-                self.workers.wait_for("ready", None)
+                self.workers.wait_until_loaded()
         except BaseException:
             if self._stop_workers is not None:
                 self._stop_workers()
@@ -173,14 +173,8 @@ class LLMEngine:
             roll_back(launched, self.pending, self.scheduler)
             self.pending = None
             if self.workers is not None:  # m8: the ranks may have stopped at different points of the step
-                reason = self.workers.stopped() or "a tensor-parallel step failed"
-                self._stop_worker()  # so the engine takes no more steps,
-                self.workers.broken = True
-                self._stop_workers()  # and no rank waits in a collective the others will never call
-                if not isinstance(error, Exception):  # Ctrl-C stays Ctrl-C
-                    raise
-                raise RuntimeError(f"{reason}, so its ranks were stopped: close this LLM and create a new one "
-                                   f"({error})") from error
+                self._stop_worker()  # so the engine takes no more steps, and no rank waits in a collective the
+                self.workers.abandon(error, "a tensor-parallel step")  # others will never call: all are stopped
             raise
         start = self.tracer.now()
         self.num_steps += 1

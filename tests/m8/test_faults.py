@@ -18,7 +18,8 @@ import pytest
 import torch.distributed as dist
 
 from milestones import m8
-from milestones.m8 import distributed, executor
+from milestones.m8 import distributed
+from milestones.runtime import processes
 
 OPTIONS = dict(device="cpu", max_model_len=128, max_num_seqs=4)
 GREEDY = m8.SamplingParams(temperature=0, max_tokens=8)
@@ -73,7 +74,7 @@ def test_a_worker_that_dies_is_named_at_once(tiny_model_path):
 
 def test_a_worker_that_hangs_fails_the_step_after_the_timeout(tiny_model_path, monkeypatch):
     monkeypatch.setattr(distributed, "COLLECTIVE_TIMEOUT", timedelta(seconds=3))  # rank 0's groups, made below
-    monkeypatch.setattr(executor, "STOP_TIMEOUT", 1.0)
+    monkeypatch.setattr(processes, "STOP_TIMEOUT", 1.0)
     llm = m8.LLM(tiny_model_path, **OPTIONS, tensor_parallel_size=2)
     worker = llm.engine.workers.processes[0]
     os.kill(worker.pid, signal.SIGSTOP)
@@ -145,7 +146,8 @@ def test_a_step_that_fails_on_rank_0_stops_every_rank(tiny_model_path):
         raise ValueError("injected failure in rank 0's sampler")
 
     llm.engine.runner.sampler = type("Failing", (), {"__call__": fails})()
-    with pytest.raises(RuntimeError, match="a tensor-parallel step failed, so its ranks were stopped.*injected"):
+    stopped = "a tensor-parallel step failed, so every tensor-parallel rank was stopped.*injected"
+    with pytest.raises(RuntimeError, match=stopped):
         llm.generate("Hello", GREEDY, use_tqdm=False)
     assert not any(worker.is_alive() for worker in workers)
     with pytest.raises(RuntimeError, match="closed"):

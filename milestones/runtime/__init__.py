@@ -1,0 +1,7 @@
+"""Supervision that is no milestone's lesson, written once: worker processes and torchrun's variables.
+
+A lesson keeps what its idea needs (m8: which ranks exist, what each loads, the steps it serves); starting a
+process, hearing that it is ready, naming one that died, stopping them together and leaving none behind is the
+same for every engine that has workers, and lives here. Dependencies point one way: milestones import this
+package, never the reverse.
+"""
