@@ -188,7 +188,7 @@ class Driver:
 
 def worker_clock(engine: object) -> Callable[[], float] | None:
     """CPU seconds of m6's forward worker thread so far (None: no thread of its own, or no per-thread clock here)."""
-    thread = getattr(getattr(engine, "worker", None), "thread", None)
+    thread = getattr(getattr(getattr(engine, "worker", None), "steps", None), "thread", None)
     if thread is None or not hasattr(time, "pthread_getcpuclockid"):
         return None
     clock = time.pthread_getcpuclockid(thread.ident)

@@ -518,7 +518,7 @@ def test_shutting_down_aborts_open_streams_and_stops_the_engine(tiny_model_path)
         assert time.monotonic() - stopping < 6
     # The server is down: the engine loop stopped, the request was aborted, and m6's worker was closed.
     assert not app.state.engine_loop.is_alive()
-    assert not llm.engine.worker.thread.is_alive()
+    assert not llm.engine.worker.steps.thread.is_alive()
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
 

@@ -13,13 +13,12 @@ model runner, which never calls back into it.
 
 from __future__ import annotations
 
-import queue
-import threading
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
+from milestones.runtime.threads import InOrderThread
 from milestones.trace import Tracer
 
 from .step import StepOutput
@@ -34,29 +33,17 @@ class ForwardWorker:
     """Computes launched steps in launch order: in a thread of its own, or inline (m5's loop)."""
 
     def __init__(self, runner: ModelRunner, device: torch.device, threaded: bool, tracer: Tracer) -> None:
-        self.runner, self.device, self.tracer = runner, device, tracer
-        self.results: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.runner, self.tracer = runner, tracer
         self.stream = None
         if device.type == "cuda" and threaded:
             self.stream = torch.cuda.Stream(device)
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the weights, KV pool and graphs are ready
-        self.thread = None
-        self.closed = False
-        if threaded:
-            # A new thread starts with torch's default thread count, not the caller's: pass it on.
-            self.thread = threading.Thread(target=self._loop, args=(torch.get_num_threads(),), name="forward-worker",
-                                           daemon=True)
-            self.thread.start()
+        # the thread itself, its start and stop, a dead one reported: milestones.runtime, no lesson
+        self.steps = InOrderThread(lambda item: self._compute(*item), "forward worker", threaded, self._on_thread)
 
     def submit(self, step_number: int, inputs: StepInputs) -> None:
         """Hand a prepared step over; inline, it is computed before this returns."""
-        if self.closed:
-            raise RuntimeError("the engine is closed: create a new LLM to generate again")
-        if self.thread is None:
-            self.results.put(self._compute(step_number, inputs))
-        else:
-            self.inbox.put((step_number, inputs))
+        self.steps.put((step_number, inputs))
 
     def result(self, step_number: int) -> StepOutput:
         """Step ``step_number``'s sampled tokens and scores (waits for them), or its exception, re-raised.
@@ -64,7 +51,7 @@ class ForwardWorker:
         Results of older steps are thrown away: steps the host rolled back, or one whose wait was interrupted
         (Ctrl-C), would otherwise be taken for the steps after them.
         """
-        while (output := self._next_result()).step_number != step_number:
+        while (output := self.steps.get()).step_number != step_number:
             pass
         if output.error is not None:
             raise output.error  # with the worker's traceback
@@ -72,20 +59,9 @@ class ForwardWorker:
             output.ready.synchronize()
         return output
 
-    def _next_result(self) -> StepOutput:
-        while True:
-            try:
-                return self.results.get(timeout=1.0)
-            except queue.Empty:
-                if self.thread is None or not self.thread.is_alive():
-                    raise RuntimeError("the forward worker has stopped: close this LLM and create a new one") from None
-
-    def _loop(self, num_threads: int) -> None:
-        torch.set_num_threads(num_threads)
+    def _on_thread(self) -> None:
         if self.stream is not None:
             torch.cuda.set_device(self.stream.device)  # the stream knows its device's index; "cuda" alone does not
-        while (item := self.inbox.get()) is not None:
-            self.results.put(self._compute(*item))
 
     def _compute(self, step_number: int, inputs: StepInputs) -> StepOutput:
         start = self.tracer.now()
@@ -106,8 +82,5 @@ class ForwardWorker:
 
     def close(self) -> None:
         """Stop the thread once it has finished what it was given; later steps are refused."""
-        self.closed = True
-        if self.thread is not None and self.thread.is_alive():
-            self.inbox.put(None)
-            self.thread.join()
+        self.steps.close()
 # --8<-- [end:worker]

@@ -222,7 +222,7 @@ def test_m6_survives_a_failed_step_on_cuda(tiny_model_path):
             run(m6, llm, prompts, settings)
         llm.engine.check_integrity()
         assert_same_outputs(run(m6, llm, prompts, settings), reference, atol=CUDA_LOGPROB_ATOL)
-    assert not llm.engine.worker.thread.is_alive()
+    assert not llm.engine.worker.steps.thread.is_alive()
 
 
 def test_m5_default_capture_sizes_on_cuda(tiny_model_path):

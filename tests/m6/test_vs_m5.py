@@ -226,7 +226,7 @@ def test_an_interrupted_wait_loses_no_step(tiny_model_path, mixed, mixed_referen
     not mistaken for it (its result still arrives, late)."""
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **EAGER) as llm:
         engine = llm.engine
-        engine.worker.results = InterruptedOnce(engine.worker.results, at_wait=7)
+        engine.worker.steps.results = InterruptedOnce(engine.worker.steps.results, at_wait=7)
         ours, interruptions = stepped(engine, m6.SamplingParams, *mixed, tolerated=(KeyboardInterrupt,))
         assert interruptions == 1
         assert_same_outputs(ours, mixed_reference)
@@ -263,7 +263,7 @@ def test_a_base_exception_in_the_forward_reaches_the_caller(tiny_model_path, mix
         with pytest.raises(Halt):
             llm.generate(*mixed_as_params(mixed), use_tqdm=False)
         llm.engine.check_integrity()
-        assert llm.engine.worker.thread.is_alive()
+        assert llm.engine.worker.steps.thread.is_alive()
         llm.engine.runner.execute = real_run
         assert_same_outputs(run(m6, llm, *mixed), mixed_reference)
 
@@ -301,7 +301,7 @@ def mixed_as_params(mixed):
 def test_no_thread_is_left_behind(tiny_model_path):
     before = set(threading.enumerate())
     llm = m6.LLM(tiny_model_path, async_scheduling=True, **EAGER)
-    worker_thread = llm.engine.worker.thread
+    worker_thread = llm.engine.worker.steps.thread
     assert worker_thread.is_alive()
     llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)
     llm.close()
@@ -311,21 +311,21 @@ def test_no_thread_is_left_behind(tiny_model_path):
         llm.generate("Hello", m6.SamplingParams(max_tokens=3), use_tqdm=False)  # refused, not a hang
     llm.engine.check_integrity()
     with m6.LLM(tiny_model_path, async_scheduling=True, **EAGER) as llm:
-        second = llm.engine.worker.thread
+        second = llm.engine.worker.steps.thread
     assert not second.is_alive()
-    forgotten = m6.LLM(tiny_model_path, async_scheduling=True, **EAGER).engine.worker.thread
+    forgotten = m6.LLM(tiny_model_path, async_scheduling=True, **EAGER).engine.worker.steps.thread
     gc.collect()
     forgotten.join(timeout=10)
     assert not forgotten.is_alive(), "an engine nobody holds kept its thread"
     assert set(threading.enumerate()) <= before
     sync = m6.LLM(tiny_model_path, async_scheduling=False, **EAGER)
-    assert sync.engine.worker.thread is None  # m5's loop: the caller's thread computes
+    assert sync.engine.worker.steps.thread is None  # m5's loop: the caller's thread computes
 
 
 def test_close_stops_the_worker_even_when_the_step_in_flight_failed(tiny_model_path, tmp_path):
     trace = tmp_path / "trace.json"
     llm = m6.LLM(tiny_model_path, async_scheduling=True, trace_file=str(trace), **EAGER)
-    engine, thread = llm.engine, llm.engine.worker.thread
+    engine, thread = llm.engine, llm.engine.worker.steps.thread
 
     def fails(inputs):
         raise RuntimeError("injected failure in the forward")
