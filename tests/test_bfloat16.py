@@ -234,7 +234,7 @@ class LogitsByRow:
         inputs = self.prepare(batch)
         forward = inputs.forward  # eager steps only (enforce_eager): positions of the rows that sample
         for seq, row in zip(inputs.sample_seqs, forward.sample_rows):
-            tokens = seq.token_ids + getattr(seq, "draft_token_ids", [])
+            tokens = seq.token_ids + (seq.spec.draft_token_ids if hasattr(seq, "spec") else [])  # m7 on: its guesses
             self.contexts.append(tuple(tokens[: forward.positions[row] + 1]))
         return inputs
 

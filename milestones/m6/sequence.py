@@ -34,11 +34,12 @@ class Sequence:
     params: SamplingParams
     seed: int  # seeds the noise of every sampled token; resolved from the engine's seed when not given
     detokenizer: IncrementalDetokenizer
+    # m6: the counters' one order (check_integrity): processed <= computed < num_tokens, known <= max_model_len
     token_ids: list[int] = field(default_factory=list)  # prompt, generated tokens, then future ids (negative)
     num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache once the launched steps have run
     num_processed_tokens: int = 0  # of those, written by steps already processed: what the prefix cache may share
     num_pending_tokens: int = 0  # sampled by launched steps, not known yet: their future ids end token_ids
-    num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
+    num_cached_tokens: int = 0  # found in the prefix cache when last admitted (a metric: a waiting request keeps it)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -89,13 +90,10 @@ class Sequence:
         num_known = self.num_tokens - pending
         assert all(t >= 0 for t in self.token_ids[:num_known]) and all(t < 0 for t in self.token_ids[num_known:]), (
             f"{name}: its future ids are not its last {pending} tokens (num_pending_tokens)")
-        assert 0 <= self.num_computed_tokens < self.num_tokens and num_known <= max_model_len, (
-            f"{name}: num_computed_tokens={self.num_computed_tokens} must be below its {self.num_tokens} tokens, "
-            f"and the {num_known} known ones at most max_model_len={max_model_len}"
-        )
-        assert 0 <= self.num_processed_tokens <= self.num_computed_tokens, (
-            f"{name}: num_processed_tokens={self.num_processed_tokens} exceeds num_computed_tokens"
-        )
+        processed, computed = self.num_processed_tokens, self.num_computed_tokens
+        assert 0 <= processed <= computed < self.num_tokens and num_known <= max_model_len, (
+            f"{name}: processed {processed} <= computed {computed} < num_tokens {self.num_tokens} and known "
+            f"{num_known} (num_tokens - num_pending_tokens) <= max_model_len {max_model_len} must hold")
         limit = self.params.max_tokens
         assert limit is None or self.num_output_tokens < limit, f"{name} reached max_tokens without finishing"
 

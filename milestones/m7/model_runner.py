@@ -149,7 +149,7 @@ class ModelRunner:
         for seq, num_new, table in zip(batch.seqs, batch.num_new_tokens, batch.block_tables):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
             row = len(input_ids)
-            tokens = seq.token_ids + seq.draft_token_ids  # m7: the guesses ride after the last token, like a chunk
+            tokens = seq.token_ids + seq.spec.draft_token_ids  # m7: the guesses ride after the last token, like a chunk
             input_ids += tokens[start:end]
             positions += range(start, end)
             slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
@@ -160,7 +160,7 @@ class ModelRunner:
                 requests += [RequestSpan(row + i, row + i + 1, span.block_table, start + i + 1) for i in range(num_new)]
             prompt_rows += PromptLogprobRows.of(seq, row, start, end)
             if end == len(tokens):  # the chunk reaches the end: its last token, and each guess, predicts the next one
-                num_rows = 1 + len(seq.draft_token_ids)
+                num_rows = 1 + len(seq.spec.draft_token_ids)
                 sample_rows += range(row + num_new - num_rows, row + num_new)
                 sample_seqs += [seq] * num_rows
         block_tables = []  # the torch path gathers every request's blocks in one copy per layer
@@ -182,7 +182,7 @@ class ModelRunner:
     @staticmethod
     def is_decode_step(batch: ScheduledBatch) -> bool:
         """Does every request compute exactly its last token (m7: and its guesses), and so sample after each?"""
-        return all(seq.num_computed_tokens + 1 == seq.num_tokens and num_new == 1 + len(seq.draft_token_ids)
+        return all(seq.num_computed_tokens + 1 == seq.num_tokens and num_new == 1 + len(seq.spec.draft_token_ids)
                    for seq, num_new in zip(batch.seqs, batch.num_new_tokens))
 
     # --8<-- [start:decode_inputs]
@@ -193,7 +193,7 @@ class ModelRunner:
         block_size = self.config.block_size
         inputs, sample_seqs = DecodeInputs([], [], [], [], []), []
         for seq, table in zip(batch.seqs, batch.block_tables):
-            tokens = (seq.token_ids + seq.draft_token_ids)[seq.num_computed_tokens:]  # m7: a token and its guesses
+            tokens = (seq.token_ids + seq.spec.draft_token_ids)[seq.num_computed_tokens:]  # m7: a token and its guesses
             table = list(table)  # a copy: the host grows the live table while the step runs
             for position, token in enumerate(tokens, seq.num_computed_tokens):
                 inputs.token_ids.append(token)

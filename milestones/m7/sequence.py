@@ -26,6 +26,18 @@ class SequenceStatus(Enum):
     FINISHED = "finished"
 
 
+@dataclass(slots=True)
+class SpecState:
+    """m7: what speculation keeps for a request between steps: the guesses for the next step, how many to make, and
+    each proposer's own record (the draft model's keys and values, the ngram lookup's index)."""
+
+    draft_token_ids: list[int] = field(default_factory=list)  # guesses of the tokens after the last, for a step
+    num_lookahead: int = 0  # how many tokens to guess next: up on each accepted guess, halved on a rejected one
+    num_drafted_tokens: int = 0  # draft_model: tokens whose keys and values the draft model wrote (some rejected)
+    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)  # ngram: run -> end of its latest copy
+    num_ngram_indexed: int = 0  # ngram: the runs ending before this token are in ngram_index (proposer.look_up)
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
@@ -34,16 +46,14 @@ class Sequence:
     params: SamplingParams
     seed: int  # seeds the noise of every sampled token; resolved from the engine's seed when not given
     detokenizer: IncrementalDetokenizer
+    # m6: the counters' one order (check_integrity): processed <= computed < num_tokens, known <= max_model_len
+    # (m7: and the draft's, drafted < known)
     token_ids: list[int] = field(default_factory=list)  # prompt, generated tokens, then future ids (negative)
     num_computed_tokens: int = 0  # tokens whose keys and values are in the KV cache once the launched steps have run
     num_processed_tokens: int = 0  # of those, written by steps already processed: what the prefix cache may share
     num_pending_tokens: int = 0  # sampled by launched steps, not known yet: their future ids end token_ids
-    num_cached_tokens: int = 0  # of those, found in the prefix cache when last admitted
-    draft_token_ids: list[int] = field(default_factory=list)  # m7: guesses of the tokens after the last, for a step
-    num_lookahead: int = 0  # m7: how many tokens to guess next: up on each accepted guess, halved on a rejected one
-    num_drafted_tokens: int = 0  # m7, draft_model: tokens whose keys and values the draft model wrote (some rejected)
-    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)  # m7, ngram: run -> end of its latest copy
-    num_ngram_indexed: int = 0  # m7, ngram: the runs ending before this token are in ngram_index (proposer.look_up)
+    num_cached_tokens: int = 0  # found in the prefix cache when last admitted (a metric: a waiting request keeps it)
+    spec: SpecState = field(default_factory=SpecState)  # m7: what speculation keeps for it
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -94,16 +104,13 @@ class Sequence:
         num_known = self.num_tokens - pending
         assert all(t >= 0 for t in self.token_ids[:num_known]) and all(t < 0 for t in self.token_ids[num_known:]), (
             f"{name}: its future ids are not its last {pending} tokens (num_pending_tokens)")
-        assert 0 <= self.num_computed_tokens < self.num_tokens and num_known <= max_model_len, (
-            f"{name}: num_computed_tokens={self.num_computed_tokens} must be below its {self.num_tokens} tokens, "
-            f"and the {num_known} known ones at most max_model_len={max_model_len}"
-        )
-        assert not self.draft_token_ids or status is SequenceStatus.RUNNING, f"{name} waits with guesses"
-        assert self.num_drafted_tokens < max(1, self.num_tokens - pending), (
+        processed, computed = self.num_processed_tokens, self.num_computed_tokens
+        assert 0 <= processed <= computed < self.num_tokens and num_known <= max_model_len, (
+            f"{name}: processed {processed} <= computed {computed} < num_tokens {self.num_tokens} and known "
+            f"{num_known} (num_tokens - num_pending_tokens) <= max_model_len {max_model_len} must hold")
+        assert not self.spec.draft_token_ids or status is SequenceStatus.RUNNING, f"{name} waits with guesses"
+        assert self.spec.num_drafted_tokens < max(1, self.num_tokens - pending), (
             f"{name}: the draft model's keys and values reach a token not known yet, or one that changed")
-        assert 0 <= self.num_processed_tokens <= self.num_computed_tokens, (
-            f"{name}: num_processed_tokens={self.num_processed_tokens} exceeds num_computed_tokens"
-        )
         limit = self.params.max_tokens
         assert limit is None or self.num_output_tokens < limit, f"{name} reached max_tokens without finishing"
 

@@ -81,13 +81,13 @@ class SamplingRow:
         """The row that reads the token at ``position`` (m7: a guess, or the last token) and samples the next. m7,
         rejection with a draft: ``drawn_from`` (``ScheduledBatch.guess_probs``) holds each guess's q."""
         guess = q = None
-        if rejection and 0 <= (ahead := position + 1 - seq.num_tokens) < len(seq.draft_token_ids):  # m7
-            guess = seq.draft_token_ids[ahead]  # the guess that stands where this row's token goes
+        if rejection and 0 <= (ahead := position + 1 - seq.num_tokens) < len(seq.spec.draft_token_ids):  # m7
+            guess = seq.spec.draft_token_ids[ahead]  # the guess that stands where this row's token goes
             probs = (drawn_from or {}).get(seq.request_id)  # none: prompt lookup's guesses, or a greedy request's
             q = probs[ahead] if probs else None  # None: the guess is judged as certain
         output = ()  # m7: a guess row's history holds the guesses before it, as if they were accepted
         if seq.params.has_penalties:
-            output = tuple((seq.token_ids + seq.draft_token_ids)[seq.num_prompt_tokens : position + 1])
+            output = tuple((seq.token_ids + seq.spec.draft_token_ids)[seq.num_prompt_tokens : position + 1])
         return cls(seq.params, seq.seed, position + 1, seq.prompt_token_ids, output, seq.grammar, guess, q)
 
 

@@ -26,6 +26,7 @@ from .model import ModelConfig
 from .model_runner import ModelRunner
 from .proposer import NgramProposer
 from .sampler import Sampler
+from .sequence import SpecState
 from .step import SamplingRow, ScheduledBatch, StepInputs
 
 
@@ -40,7 +41,7 @@ class DraftView:
     seed: int
     prompt_token_ids: list[int]  # the penalties' history starts after these, as the target's does
     room: int  # guesses still to make (0: the row only keeps the draft's keys and values up with the target's)
-    draft_token_ids: list[int] = field(default_factory=list)  # always empty: the draft checks no guesses of its own
+    spec: SpecState = field(default_factory=SpecState)  # no guesses: the draft checks none of its own
     grammar: None = None  # never: a structured request gets no guesses
 
     @property
@@ -83,7 +84,7 @@ class DraftModelProposer:
         views = []
         for row, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             unscored = replace(seq.params, logprobs=None, prompt_logprobs=None)  # a guess's are nobody's
-            views.append(DraftView(seq.token_ids[: seq.num_computed_tokens + num_new], seq.num_drafted_tokens,
+            views.append(DraftView(seq.token_ids[: seq.num_computed_tokens + num_new], seq.spec.num_drafted_tokens,
                                    unscored, seq.seed, seq.prompt_token_ids, batch.guess_rooms.get(row, 0)))
         guesses: dict[int, list[int]] = {row: [] for row in batch.guess_rooms}
         active = list(range(len(views)))
@@ -106,7 +107,7 @@ class DraftModelProposer:
                         batch.guess_probs.setdefault(batch.seqs[i].request_id, []).append(next(drawn_from))
             active = [i for i in active if views[i].room]
         for seq, view in zip(batch.seqs, views):
-            seq.num_drafted_tokens = view.num_computed_tokens
+            seq.spec.num_drafted_tokens = view.num_computed_tokens
         return guesses
 # --8<-- [end:draft_model]
 

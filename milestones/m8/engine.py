@@ -155,7 +155,7 @@ class LLMEngine:
         launched = LaunchedStep(self.num_launched, batch.seqs, before, [seq.num_computed_tokens for seq in batch.seqs],
                                 rows=[])
         for seq, future_id in zip(inputs.sample_seqs, inputs.future_ids):
-            guess = seq.draft_token_ids.pop(0) if seq.draft_token_ids else None  # m7: what the next row reads
+            guess = seq.spec.draft_token_ids.pop(0) if seq.spec.draft_token_ids else None  # m7: what the next row reads
             launched.rows.append(LaunchedRow(seq, seq.num_tokens, guess))  # where its token will go
             seq.token_ids.append(future_id)  # the token stays on the device, where the next step reads it
             seq.num_pending_tokens += 1

@@ -52,22 +52,22 @@ class NgramProposer:
         return {row: self.look_up(batch.seqs[row], room) for row, room in batch.guess_rooms.items()}
 
     def look_up(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """``propose(seq.token_ids, num_tokens)`` from ``seq.ngram_index``, which maps each run of min_n..max_n of its
-        tokens to where the tokens after its latest occurrence start, first brought up to date with the tokens added
+        """``propose(seq.token_ids, num_tokens)`` from ``seq.spec.ngram_index``, which maps each run of min_n..max_n of
+        its tokens to where the tokens after its latest occurrence start, first brought up to date with the tokens added
         since the last lookup. The engine drops only tokens of steps not processed yet, which no lookup saw."""
         if num_tokens <= 0:
             return []
-        token_ids, index = seq.token_ids, seq.ngram_index
+        token_ids, index = seq.token_ids, seq.spec.ngram_index
         length = len(token_ids)
-        if length - 1 < seq.num_ngram_indexed:  # tokens a lookup saw were taken away: start over
+        if length - 1 < seq.spec.num_ngram_indexed:  # tokens a lookup saw were taken away: start over
             index.clear()
-            seq.num_ngram_indexed = 0
+            seq.spec.num_ngram_indexed = 0
         # Each run whose next token is known: never the suffix itself. A later run overwrites: the latest wins.
-        for end in range(seq.num_ngram_indexed, length - 1):
+        for end in range(seq.spec.num_ngram_indexed, length - 1):
             after = end + 1
             for n in range(self.min_n, min(self.max_n, after) + 1):
                 index[tuple(token_ids[after - n : after])] = after
-        seq.num_ngram_indexed = max(length - 1, 0)
+        seq.spec.num_ngram_indexed = max(length - 1, 0)
         for n in reversed(range(self.min_n, min(self.max_n, length - 1) + 1)):  # the longest suffix first
             start = index.get(tuple(token_ids[length - n :]))
             if start is not None:
@@ -88,6 +88,7 @@ def guess_room(seq: Sequence, max_model_len: int) -> int:
         return 0  # structured output: a guess row's mask would need the grammar to read the guesses before it
     end = max_model_len if seq.params.max_tokens is None else seq.num_prompt_tokens + seq.params.max_tokens
     room = min(end, max_model_len) - seq.num_tokens - 1  # the step also samples the token after the guesses
-    lookahead = seq.num_lookahead or int(seq.num_output_tokens % PROBE_INTERVAL == 0)  # stopped: a probe now and then
+    # stopped: a probe now and then
+    lookahead = seq.spec.num_lookahead or int(seq.num_output_tokens % PROBE_INTERVAL == 0)
     return max(0, min(lookahead, room))
 # --8<-- [end:guess_room]

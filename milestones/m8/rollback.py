@@ -36,7 +36,8 @@ def roll_back(failed: LaunchedStep, pending: LaunchedStep | None, scheduler: Sch
         for seq, computed in zip(launched.seqs, launched.num_computed_before):
             if seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens = computed
-                seq.num_drafted_tokens = min(seq.num_drafted_tokens, computed)  # m7: the draft computes it again too
+                # m7: the draft computes it again too
+                seq.spec.num_drafted_tokens = min(seq.spec.num_drafted_tokens, computed)
         for row in launched.rows:
             seq, index = row.seq, row.index
             if index < seq.num_tokens:  # m7: a request's first row undoes its later ones too

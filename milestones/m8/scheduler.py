@@ -63,7 +63,7 @@ class Scheduler:
                 "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
             )
         speculative = self.config.speculative_config  # m7: a request starts guessing as many tokens as it may
-        seq.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0
+        seq.spec.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0
         self.waiting.append(seq)
         self.by_id[seq.request_id] = seq
 
@@ -144,7 +144,7 @@ class Scheduler:
         the blocks of its room that they leave unused go back. The budget the room took stays spent."""
         seq = batch.seqs[row]
         self.block_manager.shrink(seq.request_id, seq.num_computed_tokens + 1 + len(guesses))
-        seq.draft_token_ids = guesses
+        seq.spec.draft_token_ids = guesses
         batch.num_new_tokens[row] += len(guesses)
     # --8<-- [end:add_guesses]
 
@@ -166,7 +166,8 @@ class Scheduler:
         self.locked[seq.request_id] = node
         self.locked_tokens[seq.request_id] = len(blocks) * self.config.block_size
         seq.num_computed_tokens = seq.num_cached_tokens = len(blocks) * self.config.block_size
-        seq.num_processed_tokens = seq.num_drafted_tokens = seq.num_cached_tokens  # the tree's blocks hold their KV
+        # the tree's blocks hold their keys and values
+        seq.num_processed_tokens = seq.spec.num_drafted_tokens = seq.num_cached_tokens
 
     # --8<-- [start:cache]
     def _cache(self, seq: Sequence) -> None:
@@ -186,7 +187,7 @@ class Scheduler:
         written = seq.num_processed_tokens
         speculative = self.config.speculative_config
         if speculative is not None and speculative.method == "draft_model":  # m7: a cached block holds both models' KV
-            written = min(written, seq.num_drafted_tokens)
+            written = min(written, seq.spec.num_drafted_tokens)
         num_blocks = written // self.config.block_size
         if num_blocks * self.config.block_size <= self.locked_tokens[seq.request_id]:
             return  # nothing new since the last insert (checked every step: kept, not walked up the tree)
@@ -210,7 +211,7 @@ class Scheduler:
         """m7: forget what rejected guesses left behind: the blocks only they reached, and a draft model's keys and
         values from the first slot whose token changed (the model's own pick sits where a guess was)."""
         self.block_manager.shrink(seq.request_id, seq.num_tokens)
-        seq.num_drafted_tokens = min(seq.num_drafted_tokens, seq.num_tokens - 1)
+        seq.spec.num_drafted_tokens = min(seq.spec.num_drafted_tokens, seq.num_tokens - 1)
     # --8<-- [end:trim]
 
     def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
@@ -239,7 +240,7 @@ class Scheduler:
         if seq.request_id in self.locked:
             self.tree.unlock(self.locked.pop(seq.request_id))
             del self.locked_tokens[seq.request_id]
-        seq.num_computed_tokens = seq.num_processed_tokens = seq.num_drafted_tokens = 0
+        seq.num_computed_tokens = seq.num_processed_tokens = seq.spec.num_drafted_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""
@@ -276,8 +277,9 @@ class Scheduler:
         speculative = self.config.speculative_config
         drafting = speculative is not None and speculative.method == "draft_model"
         for seq in self.running:
-            assert not drafting or seq.num_computed_tokens - 1 <= seq.num_drafted_tokens <= seq.num_computed_tokens, (
-                f"request {seq.request_id!r}: the draft computed {seq.num_drafted_tokens} tokens and the target "
+            drafted = seq.spec.num_drafted_tokens
+            assert not drafting or seq.num_computed_tokens - 1 <= drafted <= seq.num_computed_tokens, (
+                f"request {seq.request_id!r}: the draft computed {drafted} tokens and the target "
                 f"{seq.num_computed_tokens}: the draft computes every chunk the target does, behind it only by the "
                 "last guess of a step whose guesses were all kept (m7)"
             )

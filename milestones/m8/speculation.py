@@ -53,11 +53,11 @@ class Speculator:
         if token == guess:
             seq.metrics.num_accepted_tokens += 1
             self.num_accepted_tokens += 1
-            seq.num_lookahead = min(seq.num_lookahead + 1, self.config.num_speculative_tokens)
+            seq.spec.num_lookahead = min(seq.spec.num_lookahead + 1, self.config.num_speculative_tokens)
         else:
             drop_pending_tokens(seq)
             self.scheduler.trim(seq)  # blocks only rejected guesses reached go back to the pool
-            seq.num_lookahead = max(self.proposer.min_lookahead, seq.num_lookahead // 2)  # less, or none
+            seq.spec.num_lookahead = max(self.proposer.min_lookahead, seq.spec.num_lookahead // 2)  # less, or none
     # --8<-- [end:check]
 
     def stats(self) -> dict[str, int | float]:

@@ -22,7 +22,7 @@ def test_rows_of_a_replayed_checking_step_one_per_token_and_guess(tiny_model_pat
                    detokenizer=IncrementalDetokenizer(None, prompt, []))
     seq.token_ids.append(55)  # sampled last step: position 10, not computed yet
     seq.num_computed_tokens = 10
-    seq.draft_token_ids = [66, 77]  # guesses of positions 11 and 12
+    seq.spec.draft_token_ids = [66, 77]  # guesses of positions 11 and 12
     table = [5, 2, 7, 1]
     inputs, sample_seqs = llm.engine.runner.decode_inputs(ScheduledBatch([seq], [3], [table]))
     assert inputs.token_ids == [55, 66, 77], (

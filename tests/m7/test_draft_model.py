@@ -93,12 +93,12 @@ def draft_calls(small_vocab_model_path):
         def recorded(batch):
             seqs = batch.seqs
             calls.append(dict(ids=[seq.request_id for seq in seqs], greedy=[seq.params.greedy for seq in seqs],
-                              before=[seq.num_drafted_tokens for seq in batch.seqs], rooms=dict(batch.guess_rooms),
+                              before=[seq.spec.num_drafted_tokens for seq in batch.seqs], rooms=dict(batch.guess_rooms),
                               ends=[seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_new_tokens)],
                               passes=[]))
             guesses = propose(batch)
             calls[-1].update(guesses={row: list(g) for row, g in guesses.items()},
-                             after=[seq.num_drafted_tokens for seq in batch.seqs],
+                             after=[seq.spec.num_drafted_tokens for seq in batch.seqs],
                              guess_probs={k: list(v) for k, v in batch.guess_probs.items()})
             return guesses
 
@@ -114,9 +114,9 @@ def test_the_draft_feeds_each_row_from_where_it_stopped_to_the_end_of_its_chunk(
         fed = [start for start, _ in first]
         assert fed == call["before"], (
             f"propose_batch call {number}: the draft's first pass fed its rows from positions {fed}, but the draft "
-            f"had computed {call['before']} tokens of them (seq.num_drafted_tokens): a view starts at "
-            "seq.num_drafted_tokens, not at num_computed_tokens (after a step whose guesses were all kept the draft "
-            "is a token behind the target: the last guess was never fed)"
+            f"had computed {call['before']} tokens of them (seq.spec.num_drafted_tokens): a view starts at "
+            "seq.spec.num_drafted_tokens, not at num_computed_tokens (after a step whose guesses were all kept the "
+            "draft is a token behind the target: the last guess was never fed)"
         )
         ends = [end for _, end in first]
         assert ends == call["ends"], (
@@ -136,7 +136,7 @@ def test_the_draft_feeds_each_row_from_where_it_stopped_to_the_end_of_its_chunk(
         assert call["after"] == want, (
             f"propose_batch call {number}: num_drafted_tokens is {call['after']} afterwards, expected {want}: each "
             "row's chunk and every guess but the last (sampled, never fed) were computed by the draft, and "
-            "seq.num_drafted_tokens is set to its view's num_computed_tokens"
+            "seq.spec.num_drafted_tokens is set to its view's num_computed_tokens"
         )
 
 
@@ -350,13 +350,13 @@ def test_a_block_waits_for_the_drafts_last_guess_before_it_is_cached():
     seq.token_ids += list(range(200, 207))  # 17 tokens: the first one sampled, then 3 guesses kept and the bonus
     scheduler.block_manager.grow(seq.request_id, seq.num_tokens)
     seq.num_computed_tokens = seq.num_processed_tokens = 16  # the target wrote positions 0 to 15
-    seq.num_drafted_tokens = 15  # the draft has not fed the last guess, at position 15: the end of the 4th block
+    seq.spec.num_drafted_tokens = 15  # the draft has not fed the last guess, at position 15: the end of the 4th block
     scheduler._cache(seq)
     assert scheduler.locked_tokens[seq.request_id] == 12, (
         f"{scheduler.locked_tokens[seq.request_id]} tokens cached, expected 12: the 4th block ends with a slot the "
         "draft has not written, so it waits (the smaller of num_processed_tokens and num_drafted_tokens)"
     )
-    seq.num_drafted_tokens = 16  # the request's next step: the draft feeds the last guess with the bonus token
+    seq.spec.num_drafted_tokens = 16  # the request's next step: the draft feeds the last guess with the bonus token
     scheduler._cache(seq)
     assert scheduler.locked_tokens[seq.request_id] == 16
     scheduler.check_integrity()

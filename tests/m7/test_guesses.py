@@ -65,17 +65,17 @@ def in_flight(engine, seq, num_rows: int) -> None:
 def test_trim_shrinks_to_the_tokens_and_counts_the_drafts_keys_back(engine):
     engine, seq = engine
     engine.scheduler.block_manager.grow(seq.request_id, seq.num_tokens + 6)  # blocks that guesses reached
-    seq.num_drafted_tokens = seq.num_tokens + 3  # a draft model wrote keys and values for rejected guesses
+    seq.spec.num_drafted_tokens = seq.num_tokens + 3  # a draft model wrote keys and values for rejected guesses
     engine.scheduler.trim(seq)
     table = engine.scheduler.block_manager.block_tables[seq.request_id]
     assert len(table) == engine.scheduler.block_manager.blocks_needed(seq.num_tokens), (
         f"after trim the request's table has {len(table)} blocks for {seq.num_tokens} tokens: "
         "self.block_manager.shrink(seq.request_id, seq.num_tokens)"
     )
-    assert seq.num_drafted_tokens == seq.num_tokens - 1, (
-        f"after trim num_drafted_tokens is {seq.num_drafted_tokens}, expected {seq.num_tokens - 1}: the slot whose "
-        "token changed (the model's pick where the guess was) and those after it hold no draft keys and values, so "
-        "num_drafted_tokens = min(num_drafted_tokens, num_tokens - 1)"
+    assert seq.spec.num_drafted_tokens == seq.num_tokens - 1, (
+        f"after trim num_drafted_tokens is {seq.spec.num_drafted_tokens}, expected {seq.num_tokens - 1}: the slot "
+        "whose token changed (the model's pick where the guess was) and those after it hold no draft keys and values, "
+        "so num_drafted_tokens = min(num_drafted_tokens, num_tokens - 1)"
     )
 
 
@@ -83,18 +83,18 @@ def test_a_kept_guess_is_counted_and_raises_the_lookahead_up_to_num_speculative_
     engine, seq = engine
     in_flight(engine, seq, 3)
     before = (list(seq.token_ids), seq.metrics.num_accepted_tokens, engine.speculator.num_accepted_tokens)
-    seq.num_lookahead = 2
+    seq.spec.num_lookahead = 2
     engine.speculator.check(seq, 7, 7)
     assert (seq.metrics.num_accepted_tokens, engine.speculator.num_accepted_tokens) == (before[1] + 1, before[2] + 1), (
         "a kept guess counts once for the request (seq.metrics.num_accepted_tokens) and once for the engine "
         "(self.num_accepted_tokens, which spec_stats reports)"
     )
-    assert seq.num_lookahead == 3, f"the lookahead went from 2 to {seq.num_lookahead} on a kept guess, not 3"
+    assert seq.spec.num_lookahead == 3, f"the lookahead went from 2 to {seq.spec.num_lookahead} on a kept guess, not 3"
     assert seq.token_ids == before[0], "a kept guess changes no token: the rows after it stand"
-    seq.num_lookahead = 4
+    seq.spec.num_lookahead = 4
     engine.speculator.check(seq, 7, 7)
-    assert seq.num_lookahead == 4, (
-        f"the lookahead went from 4 to {seq.num_lookahead}: it rises by one per kept guess up to "
+    assert seq.spec.num_lookahead == 4, (
+        f"the lookahead went from 4 to {seq.spec.num_lookahead}: it rises by one per kept guess up to "
         "num_speculative_tokens (4)"
     )
 
@@ -103,7 +103,7 @@ def test_a_rejected_guess_voids_the_rows_after_it_trims_and_halves_the_lookahead
     engine, seq = engine
     known = list(seq.token_ids)
     in_flight(engine, seq, 4)
-    seq.num_lookahead = 4
+    seq.spec.num_lookahead = 4
     engine.speculator.check(seq, 5, 6)
     assert seq.token_ids == known and seq.num_pending_tokens == 0, (
         f"after a rejected guess the request holds {seq.token_ids[len(known) - 1:]} past its known tokens, "
@@ -119,13 +119,13 @@ def test_a_rejected_guess_voids_the_rows_after_it_trims_and_halves_the_lookahead
         f"the table kept {len(table)} blocks for {seq.num_tokens} tokens: self.scheduler.trim(seq) gives back the "
         "blocks only rejected guesses reached"
     )
-    assert seq.num_lookahead == 2, (
-        f"the lookahead went from 4 to {seq.num_lookahead} on a rejected guess, expected 2: halved, but not below "
+    assert seq.spec.num_lookahead == 2, (
+        f"the lookahead went from 4 to {seq.spec.num_lookahead} on a rejected guess, expected 2: halved, but not below "
         "self.proposer.min_lookahead"
     )
-    seq.num_lookahead = 1
+    seq.spec.num_lookahead = 1
     in_flight(engine, seq, 2)
     engine.speculator.check(seq, 5, 6)
-    assert seq.num_lookahead == 1, (
-        f"the lookahead went from 1 to {seq.num_lookahead}: the ngram proposer's min_lookahead is 1, never 0"
+    assert seq.spec.num_lookahead == 1, (
+        f"the lookahead went from 1 to {seq.spec.num_lookahead}: the ngram proposer's min_lookahead is 1, never 0"
     )

@@ -74,12 +74,13 @@ def test_the_index_guesses_what_propose_guesses_as_tokens_come():
 def test_propose_batch_keeps_each_requests_index_on_the_request():
     proposer = NgramProposer(min_n=1, max_n=3)
     seq = sequence([1, 2, 3, 4], None, [])
-    assert proposer.propose_batch(batch_of([seq], [2])) == {0: []} and seq.num_ngram_indexed == 3, (
-        "propose_batch indexes the request's runs on its first lookup (seq.ngram_index), even with nothing to guess"
+    assert proposer.propose_batch(batch_of([seq], [2])) == {0: []} and seq.spec.num_ngram_indexed == 3, (
+        "propose_batch indexes the request's runs on its first lookup (seq.spec.ngram_index), even with nothing to "
+        "guess"
     )
-    index = seq.ngram_index
+    index = seq.spec.ngram_index
     seq.token_ids += [9, 2, 3]
-    assert proposer.propose_batch(batch_of([seq], [2])) == {0: [4, 9]} and seq.ngram_index is index, (
+    assert proposer.propose_batch(batch_of([seq], [2])) == {0: [4, 9]} and seq.spec.ngram_index is index, (
         "the next lookup extends the same index with the tokens added since: '2 3' was last seen at 1..2"
     )
 
@@ -96,7 +97,7 @@ def sequence(prompt: list[int], max_tokens: int | None, generated: list[int]) ->
     seq = Sequence("0", None, prompt, params, 0, IncrementalDetokenizer(None, prompt, []))
     seq.token_ids += generated
     seq.num_computed_tokens = seq.num_tokens - 1
-    seq.num_lookahead = 5
+    seq.spec.num_lookahead = 5
     return seq
 
 
@@ -126,6 +127,6 @@ def test_a_request_that_stopped_guessing_probes_now_and_then():
     rooms = []
     for generated in range(2 * PROBE_INTERVAL):
         seq = sequence([1, 2, 3], None, list(range(10, 10 + generated)))
-        seq.num_lookahead = 0
+        seq.spec.num_lookahead = 0
         rooms.append(guess_room(seq, max_model_len=100))
     assert rooms == [1] + [0] * (PROBE_INTERVAL - 1) + [1] + [0] * (PROBE_INTERVAL - 1)

@@ -151,7 +151,7 @@ def test_a_step_of_disable_by_batch_size_requests_guesses_nothing(small_vocab_mo
         real_prepare = runner.prepare
 
         def recording(batch):
-            steps.append((len(batch.seqs), sum(len(seq.draft_token_ids) for seq in batch.seqs)))
+            steps.append((len(batch.seqs), sum(len(seq.spec.draft_token_ids) for seq in batch.seqs)))
             return real_prepare(batch)
 
         runner.prepare = recording
