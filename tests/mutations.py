@@ -310,7 +310,7 @@ CATALOGUE = (
     ),
     Mutation(
         "m4-cache-keeps-duplicates", "milestones/m4/scheduler.py",
-        "        self.block_manager.use_cached(seq.request_id, _path_blocks(node))\n",
+        "        self.block_manager.use_cached(seq.request_id, path_blocks(node))\n",
         "",
         ("tests/m4/test_cache_steps.py::"
          "test_a_request_computing_a_prompt_the_tree_holds_keeps_one_copy_and_finishes_in_a_tight_pool",),

@@ -24,7 +24,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
-from .radix_tree import Node, RadixTree
+from .radix_tree import Node, RadixTree, path_blocks
 from .sequence import Sequence, SequenceStatus, check_sequences
 from .step import ScheduledBatch
 
@@ -130,7 +130,7 @@ class Scheduler:
         # admitted beside the request that brought them), its own copies go: holding them and locking the
         # tree's would take two blocks per block, which a tight pool may never have (it would preempt
         # itself, recompute the prefix, and lock the tree's copies again, forever).
-        self.block_manager.use_cached(seq.request_id, _path_blocks(node))
+        self.block_manager.use_cached(seq.request_id, path_blocks(node))
         self.tree.lock(node)
         self.tree.unlock(self.locked[seq.request_id])
         self.locked[seq.request_id] = node
@@ -203,37 +203,10 @@ class Scheduler:
         self.block_manager.check_integrity(cached)
         if self.tree is not None:
             self.tree.check_integrity()
-            assert self.tree.root.lock_ref == 1 + len(self.locked), (
-                f"a lock was lost: the tree's root has lock_ref {self.tree.root.lock_ref} for {len(self.locked)} "
-                "requests in self.locked (plus its own 1): each locks the node it keeps there once (tree.lock), and "
-                "unlocks it once when it moves its lock or lets go"
-            )
-            for request_id, node in self.locked.items():
-                assert sum(len(n.tokens) for n in _path(node)) == self.locked_tokens[request_id], (
-                    f"request {request_id!r}: locked_tokens is not the length of its locked path"
-                )
-                path = _path_blocks(node)
-                assert tables[request_id][: len(path)] == path, (
-                    f"request {request_id!r} holds copies of blocks that the tree has on its locked path: its table "
-                    "starts with the path's blocks (_cache hands it the tree's, block_manager.use_cached)"
-                )
+            self.tree.check_locks(self.locked, self.locked_tokens, tables)
 
     def running_seqs(self) -> list[Sequence]:
         return list(self.running)
 
     def find(self, request_id: str) -> Sequence | None:
         return self.by_id.get(request_id)
-
-
-def _path_blocks(node: Node) -> list[int]:
-    """The blocks of the path from the root to ``node``, in token order."""
-    return [block for n in reversed(_path(node)) for block in n.blocks]
-
-
-def _path(node: Node) -> list[Node]:
-    """The nodes from ``node`` up to (not including) the root."""
-    nodes = []
-    while node.parent is not None:
-        nodes.append(node)
-        node = node.parent
-    return nodes

@@ -169,6 +169,25 @@ class RadixTree:
         counted = self.num_evictable_blocks
         assert counted == unlocked, f"num_evictable_blocks is {counted} but {unlocked} blocks are unlocked"
 
+    def check_locks(self, locked: dict[str, Node], locked_tokens: dict[str, int],
+                    block_tables: dict[str, list[int]]) -> None:
+        """The scheduler's locks agree with the tree: one lock per request (the root counts them), each on a path as
+        long as ``locked_tokens`` says, whose blocks begin the request's block table."""
+        assert self.root.lock_ref == 1 + len(locked), (
+            f"a lock was lost: the tree's root has lock_ref {self.root.lock_ref} for {len(locked)} requests in the "
+            "scheduler's locked (plus its own 1): each locks the node it keeps there once (tree.lock), and unlocks it "
+            "once when it moves its lock or lets go"
+        )
+        for request_id, node in locked.items():
+            assert sum(len(n.tokens) for n in _path(node)) == locked_tokens[request_id], (
+                f"request {request_id!r}: locked_tokens is not the length of its locked path"
+            )
+            blocks = path_blocks(node)
+            assert block_tables[request_id][: len(blocks)] == blocks, (
+                f"request {request_id!r} holds copies of blocks that the tree has on its locked path: its table "
+                "starts with the path's blocks (_cache hands it the tree's, block_manager.use_cached)"
+            )
+
     def _common_blocks(self, child: Node, tokens: list[int], start: int) -> int:
         """How many whole blocks of the child's edge equal ``tokens`` from ``start``."""
         size, same = self.block_size, 0
@@ -200,3 +219,17 @@ class RadixTree:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+
+def path_blocks(node: Node) -> list[int]:
+    """The blocks of the path from the root to ``node``, in token order."""
+    return [block for n in reversed(_path(node)) for block in n.blocks]
+
+
+def _path(node: Node) -> list[Node]:
+    """The nodes from ``node`` up to (not including) the root."""
+    nodes = []
+    while node.parent is not None:
+        nodes.append(node)
+        node = node.parent
+    return nodes
