@@ -2,8 +2,8 @@
 
 No lesson, and the same in every milestone: each ``model.py`` builds its network from a ``ModelConfig`` and says,
 in ``checkpoint_tensors``, which of its tensors each name in the checkpoint fills (q, k and v stacked into one
-``qkv_proj``; from m8, a rank's shard of each); ``load_checkpoint`` reads the files into them, refusing a file
-that does not fit the config.
+``qkv_proj``; from m8, a rank's shard of each, read by ``copy_shard``); ``load_checkpoint`` reads the files into
+them, refusing a file that does not fit the config.
 """
 
 from __future__ import annotations
@@ -105,3 +105,35 @@ def copy_whole(file: str, name: str, checkpoint: Any, target: torch.Tensor) -> N
         raise ValueError(f"{file}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
                          "(float32, bfloat16 or float16)")
     target.copy_(tensor)
+
+
+@dataclass(slots=True, frozen=True)
+class Shard:
+    """What a rank copies (m8) of a checkpoint tensor of shape ``full_shape``: ``[start, stop)`` along ``dim`` (None:
+    to the end, the whole tensor), into ``target``."""
+
+    target: torch.Tensor
+    dim: int
+    start: int
+    stop: int | None
+    full_shape: list[int]
+
+
+# --8<-- [start:copy_shard]
+def copy_shard(file: str, name: str, checkpoint: Any, shard: Shard) -> None:
+    """Read the rows (or columns) ``shard`` names of a stored tensor, and only those, into its target."""
+    stored = checkpoint.get_slice(name)
+    full = list(stored.get_shape())
+    if len(full) != shard.target.dim() or len(full) <= shard.dim:
+        raise ValueError(f"{file}: tensor {name!r} has shape {full}, but config.json makes it "
+                         f"{shard.full_shape}: the weights and the config do not match")
+    stop = full[shard.dim] if shard.stop is None else shard.stop
+    tensor = stored[:, shard.start : stop] if shard.dim == 1 else stored[shard.start : stop]
+    if full != shard.full_shape or tensor.shape != shard.target.shape:  # copy_ would broadcast [1, n] silently
+        raise ValueError(f"{file}: tensor {name!r} has shape {full}, but config.json makes it "
+                         f"{shard.full_shape}: the weights and the config do not match")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{file}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
+                         "(float32, bfloat16 or float16)")
+    shard.target.copy_(tensor)
+# --8<-- [end:copy_shard]

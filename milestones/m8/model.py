@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from milestones.hf_checkpoint import ModelConfig, load_checkpoint
+from milestones.hf_checkpoint import ModelConfig, Shard, copy_shard, load_checkpoint
 
 from .attention import AttentionContext, attention
 from .distributed import SINGLE, TensorParallel
@@ -252,25 +251,8 @@ class CausalLM(nn.Module):
     def load_weights(self, folder: Path) -> None:
         """Copy every ``*.safetensors`` tensor in ``folder`` into the module of that name (q, k and v: qkv_proj).
         m8: only this rank's shard of each is read from the file."""
-        load_checkpoint(folder, self.checkpoint_tensors(), self.config, copy=self._copy_shard)
+        load_checkpoint(folder, self.checkpoint_tensors(), self.config, copy=copy_shard)
 
-    @staticmethod
-    def _copy_shard(file: str, name: str, checkpoint, shard: Shard) -> None:
-        """Read the rows (or columns) ``shard`` names of a stored tensor, and only those, into its target."""
-        stored = checkpoint.get_slice(name)
-        full = list(stored.get_shape())
-        if len(full) != shard.target.dim() or len(full) <= shard.dim:
-            raise ValueError(f"{file}: tensor {name!r} has shape {full}, but config.json makes it "
-                             f"{shard.full_shape}: the weights and the config do not match")
-        stop = full[shard.dim] if shard.stop is None else shard.stop
-        tensor = stored[:, shard.start : stop] if shard.dim == 1 else stored[shard.start : stop]
-        if full != shard.full_shape or tensor.shape != shard.target.shape:  # copy_ would broadcast [1, n] silently
-            raise ValueError(f"{file}: tensor {name!r} has shape {full}, but config.json makes it "
-                             f"{shard.full_shape}: the weights and the config do not match")
-        if not tensor.is_floating_point():
-            raise ValueError(f"{file}: tensor {name!r} is {tensor.dtype}; weights must be floating point "
-                             "(float32, bfloat16 or float16)")
-        shard.target.copy_(tensor)
     # --8<-- [end:load_weights]
 
     # --8<-- [start:checkpoint_tensors]
@@ -306,15 +288,3 @@ class CausalLM(nn.Module):
                 tensors[name] = Shard(param.data, 0, 0, None, list(param.shape))
         return tensors
     # --8<-- [end:checkpoint_tensors]
-
-
-@dataclass(slots=True, frozen=True)
-class Shard:
-    """m8: what a rank copies of a checkpoint tensor of shape ``full_shape``: ``[start, stop)`` along ``dim`` (None:
-    to the end, the whole tensor), into ``target``."""
-
-    target: torch.Tensor
-    dim: int
-    start: int
-    stop: int | None
-    full_shape: list[int]
