@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from milestones.engine_loop import Stream
 from milestones.server.answer import Answer, usage_chunk
@@ -87,7 +88,7 @@ class ReleasingStreamingResponse(StreamingResponse):
         super().__init__(content, **kwargs)
         self.release = release
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
