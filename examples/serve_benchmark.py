@@ -6,7 +6,7 @@ Run from the repository root:
     python examples/serve_benchmark.py --milestones m2,m4 --rate 2 --num-requests 48
     python examples/serve_benchmark.py --docs     # write docs/assets/benchmarks/serve.{json,png}
 
-For each milestone it starts the OpenAI-compatible server (milestones/serve.py) in this
+For each milestone it starts the OpenAI-compatible server (milestones/server/) in this
 process, warms it up, then sends the same seeded workload: chat requests that share a
 system prompt (so a prefix cache has something to find), each with its own question and
 output length, at exponentially distributed gaps (a Poisson process). Every request is
@@ -33,7 +33,9 @@ from pathlib import Path
 import _common  # noqa: F401  (first: makes `milestones` importable from a plain checkout)
 import httpx
 
-from milestones.serve import Limits, create_app, running
+from milestones.server.app import create_app
+from milestones.server.limits import Limits
+from milestones.server.listen import running
 
 SYSTEM = ("You are a patient teacher. Answer in plain words, in two or three sentences, and give one example "
           "from everyday life. Never use jargon without explaining it first.")

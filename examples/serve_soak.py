@@ -6,7 +6,7 @@ Run from the repository root:
     python examples/serve_soak.py --minutes 1 --model PATH --milestone m6 --clients 8
     python examples/serve_soak.py --out docs/assets/benchmarks/serve-soak.json
 
-It starts the OpenAI-compatible server (milestones/serve.py) in this process with ``--max-requests``
+It starts the OpenAI-compatible server (milestones/server/) in this process with ``--max-requests``
 equal to the engine's ``max_num_seqs`` (the capacity), computes each prompt's greedy answer with
 ``LLM.generate`` first, then runs ``--clients`` threads until the time is up. Each loops over:
 a greedy completion, checked against its answer (batched with the others, so a near-tie may
@@ -33,7 +33,9 @@ from pathlib import Path
 import _common  # noqa: F401  (first: makes `milestones` importable from a plain checkout)
 import httpx
 
-from milestones.serve import Limits, create_app, running
+from milestones.server.app import create_app
+from milestones.server.limits import Limits
+from milestones.server.listen import running
 
 PROMPTS = ["The capital of France is", "Count: one, two, three,", "def fibonacci(n):", "Once upon a time",
            "The best way to learn is", "Water boils at", "A list of fruits: apple,", "In 1969, the first"]

@@ -98,7 +98,7 @@ CATALOGUE = (
         "RoPE's positions made on the default device, which is the meta device while from_pretrained builds the model",
     ),
     Mutation(
-        "serve-n-unbounded", "milestones/serve.py",
+        "serve-n-unbounded", "milestones/server/limits.py",
         "    if n > limits.max_n:\n",
         "    if False:\n",
         ("tests/test_serve_limits.py::test_n_above_the_limit_is_refused_before_the_engine_sees_it",),

@@ -534,8 +534,8 @@ def all_reduce_ms() -> tuple:
 
 
 def serve_default(field: str) -> float:
-    """A default of milestones/serve.py's Limits: a number, or ``a << b``."""
-    value = source_match("milestones/serve.py", rf"(?m)^    {field}: \w+ = ([\d.]+(?: << \d+)?)")
+    """A default of the server's Limits (milestones/server/limits.py): a number, or ``a << b``."""
+    value = source_match("milestones/server/limits.py", rf"(?m)^    {field}: \w+ = ([\d.]+(?: << \d+)?)")
     number, _, shift = value.partition(" << ")
     return float(number) * (1 << int(shift or 0))
 

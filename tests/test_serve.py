@@ -19,7 +19,10 @@ import httpx
 import openai
 import pytest
 
-from milestones.serve import Limits, command_line, create_app, load_llm, main, running
+from milestones.serve import command_line, load_llm, main
+from milestones.server.app import create_app
+from milestones.server.limits import Limits
+from milestones.server.listen import running
 
 SERVED = ["m1", "m2", "m4", "m6", "m7"]  # one at a time, batched, paged with a prefix cache, overlapped, guessing
 SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}  # m7's option
@@ -553,7 +556,7 @@ def test_m8_serves_in_two_ranks_the_tokens_of_one_and_its_shutdown_ends_the_work
 
 def test_quantization_reaches_the_engine_config(tiny_model_path):
     """--quantization int8 is the engine's quantization="int8" (the weights made int8 at load); its choices are the
-    kernels' (written out in serve.py, so that the command line loads without torch)."""
+    kernels' (written out in milestones/serve.py, so that the command line loads without torch)."""
     from milestones import m1
     from milestones.kernels import QUANTIZATIONS
 

@@ -18,7 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from milestones.serve import Limits, create_app, running
+from milestones.server.app import create_app
+from milestones.server.limits import Limits
+from milestones.server.listen import running
 from tests.test_serve import LIMITS
 
 TABLE = Path(__file__).resolve().parents[1] / "docs" / "assets" / "serve-answers.md"

@@ -19,7 +19,10 @@ import httpx
 import openai
 import pytest
 
-from milestones.serve import Limits, _is_loopback, command_line, create_app, limits_from, running
+from milestones.serve import _is_loopback, command_line, limits_from
+from milestones.server.app import create_app
+from milestones.server.limits import Limits
+from milestones.server.listen import running
 from tests.test_serve import LIMITS, PROMPTS, SERVED, SPECULATIVE, slowed, wait_until
 
 
