@@ -37,10 +37,10 @@ CHANGED_FILES: dict[str, set[str]] = {
            "step.py"},
 }
 
-# `make check` runs the tests with a learner's package as milestones.mK ($MILESTONE_IMPL, set by exercise.py). A
-# process the tests start imports this package first (m8's ranks, spawned: a fresh interpreter), and must run the
-# learner's package too, not the reference.
+# `make check` runs the tests with a learner's package as milestones.mK ($MILESTONE_IMPL, set by
+# milestones/exercise/check.py). A process the tests start imports this package first (m8's ranks, spawned: a fresh
+# interpreter), and must run the learner's package too, not the reference.
 if os.environ.get("MILESTONE_IMPL"):
-    from milestones.exercise import install_from_environment
+    from milestones.exercise.install import install_from_environment
 
     install_from_environment()

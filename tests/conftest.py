@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from milestones import MILESTONES
-from milestones.exercise import IMPL_VARIABLE, install
+from milestones.exercise.install import IMPL_VARIABLE, install
 from milestones.model_store import resolve_model
 
 from .checkpoints import make_checkpoint

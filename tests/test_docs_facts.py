@@ -37,7 +37,7 @@ import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
 from milestones.course import LESSONS
-from milestones.exercise import functions, reference_path
+from milestones.exercise.stubs import functions, reference_path
 from tests import gpu_runbook
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,9 @@ from pathlib import Path
 import pytest
 
 from milestones.course import LESSONS
-from milestones.exercise import PACKAGE_ROOT, REPO_ROOT, functions, header, reference_path, section_lines, start
+from milestones.exercise import PACKAGE_ROOT, REPO_ROOT
+from milestones.exercise.skeleton import header, start
+from milestones.exercise.stubs import functions, reference_path, section_lines
 from tests.conftest import needs_compiler
 
 # m5's steps, and those of the milestones copied from it, capture with torch.compile on a CPU: without a compiler
@@ -57,7 +59,7 @@ class Stub:
 
 def reference_body(source: str, name: str) -> list[str]:
     """The lines of the function's body after its docstring, or from the comment lines that open it: exactly what
-    ``exercise.stub`` removes."""
+    ``stubs.stub`` removes."""
     node = functions(ast.parse(source))[name]
     body, lines = node.body, source.splitlines(keepends=True)
     has_docstring = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)

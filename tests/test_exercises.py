@@ -23,21 +23,11 @@ import pytest
 
 from milestones import CHANGED_FILES, MILESTONES
 from milestones.course import LESSONS, Exercise, Step
-from milestones.exercise import (
-    PACKAGE_ROOT,
-    REPO_ROOT,
-    functions,
-    header,
-    main,
-    owner,
-    reference_path,
-    section_lines,
-    start,
-    step_range,
-    stub,
-    stub_in_output,
-    wrap,
-)
+from milestones.exercise import PACKAGE_ROOT, REPO_ROOT
+from milestones.exercise.cli import main, step_range
+from milestones.exercise.failures import owner, stub_in_output
+from milestones.exercise.skeleton import header, start
+from milestones.exercise.stubs import functions, reference_path, section_lines, stub, wrap
 from tests.conftest import needs_compiler
 
 TAUGHT = MILESTONES  # every milestone is an exercise, m1 (the model itself) included
