@@ -4,7 +4,8 @@ dtype every milestone resolves alike.
 Not a lesson: every milestone adds options, and with a table each one costs its
 milestone a line (``"async_scheduling": FLAG``), not another ``if``. Checks that relate
 two options (a budget at least the batch size) stay in ``EngineConfig.resolve``. An option
-made of options (m7's ``speculative_config``) is a dataclass of its own, read by ``nested``.
+made of options (m7's ``speculative_config``, ``milestones/speculative_config.py``) is a dataclass of its own,
+read by ``nested``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ PATH_OR_NONE = Kind(lambda v: v is None or isinstance(v, (str, os.PathLike)), "a
 
 def one_of(*choices: str) -> Kind:
     return Kind(lambda v: isinstance(v, str) and v in choices, " or ".join(repr(c) for c in choices))
+
+
+def check_sizes(sizes: object, name: str, largest: int, what: str) -> None:
+    """Refuse ``sizes`` unless it is a non-empty list of integers in [1, ``largest``]; ``what`` names them in the
+    error, with their bound."""
+    if not isinstance(sizes, (list, tuple)) or not sizes or not all(_is_int(s) and 1 <= s <= largest for s in sizes):
+        raise ValueError(f"{name} must be a non-empty list of {what}, got {sizes!r}")
 
 
 def check(config: object, table: dict[str, Kind]) -> None:

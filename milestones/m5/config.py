@@ -55,11 +55,8 @@ class EngineConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             sizes = default_capture_sizes(device, self.max_num_seqs)
-        elif not isinstance(sizes, (list, tuple)) or not sizes or any(
-            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs for s in sizes
-        ):
-            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of batch sizes in [1, max_num_seqs="
-                             f"{self.max_num_seqs}], got {sizes!r}")
+        options.check_sizes(sizes, "cudagraph_capture_sizes", self.max_num_seqs,
+                            f"batch sizes in [1, max_num_seqs={self.max_num_seqs}]")
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
                        cudagraph_capture_sizes=sorted(set(sizes)))
 

@@ -57,11 +57,8 @@ class EngineConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             sizes = default_capture_sizes(device, self.max_num_seqs)
-        elif not isinstance(sizes, (list, tuple)) or not sizes or any(
-            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs for s in sizes
-        ):
-            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of batch sizes in [1, max_num_seqs="
-                             f"{self.max_num_seqs}], got {sizes!r}")
+        options.check_sizes(sizes, "cudagraph_capture_sizes", self.max_num_seqs,
+                            f"batch sizes in [1, max_num_seqs={self.max_num_seqs}]")
         # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling

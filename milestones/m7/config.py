@@ -8,6 +8,7 @@ import torch
 
 from milestones import options
 from milestones.kernels import check_platform
+from milestones.speculative_config import SPECULATIVE_CONFIG, SpeculativeConfig
 
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -64,12 +65,9 @@ class EngineConfig:
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             sizes = default_capture_sizes(device, self.max_num_seqs, rows_per_seq)
-        elif not isinstance(sizes, (list, tuple)) or not sizes or any(
-            isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs * rows_per_seq
-            for s in sizes
-        ):
-            raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of row counts in [1, max_num_seqs * "
-                             f"(1 + num_speculative_tokens) = {self.max_num_seqs * rows_per_seq}], got {sizes!r}")
+        largest = self.max_num_seqs * rows_per_seq  # m7: rows, not requests
+        options.check_sizes(sizes, "cudagraph_capture_sizes", largest,
+                            f"row counts in [1, max_num_seqs * (1 + num_speculative_tokens) = {largest}]")
         # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
@@ -79,46 +77,6 @@ class EngineConfig:
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
                        cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap,
                        speculative_config=speculative)
-
-
-# --8<-- [start:speculative_config]
-@dataclass(slots=True, frozen=True)
-class SpeculativeConfig:
-    """How a request's next tokens are guessed, and how many a step (vLLM's names)."""
-
-    method: str  # "ngram": prompt lookup over the request's own tokens; "draft_model": a smaller model's picks
-    num_speculative_tokens: int  # k: the most tokens guessed for a request in a step, all checked in one forward
-    prompt_lookup_min: int = 2  # ngram: the shortest run of latest tokens looked up
-    prompt_lookup_max: int = 4  # ngram: the longest, tried first
-    model: str | None = None  # draft_model: the draft (a name or folder, as LLM's model), with the target's tokenizer
-    acceptance: str = "exact"  # "exact": a guess counts if it is the pick m6 makes (m6's tokens); "rejection": the
-    # standard rule, kept with probability p(guess): the same distribution as m6, other tokens when sampling
-    disable_by_batch_size: int | None = None  # a step of at least this many requests guesses nothing (None: any
-    # step guesses): in a busy step every row is real arithmetic, and a wrong guess wastes nearly a token's cost
-
-    @classmethod
-    def from_dict(cls, given: dict | SpeculativeConfig) -> SpeculativeConfig:
-        """Checked through its options table, then the checks that relate two of its options."""
-        config = options.nested(cls, given, SPECULATIVE_OPTIONS, "speculative_config")
-        if (config.method == "draft_model") != (config.model is not None):
-            raise ValueError("speculative_config: 'model' names the draft, and only method 'draft_model' has one, "
-                             f"which it needs; got method {config.method!r} with model {config.model!r}")
-        if config.prompt_lookup_min > config.prompt_lookup_max:
-            raise ValueError(f"speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be at most "
-                             f"prompt_lookup_max ({config.prompt_lookup_max})")
-        return config
-
-
-SPECULATIVE_OPTIONS = {
-    "method": options.one_of("ngram", "draft_model"),
-    "num_speculative_tokens": options.POSITIVE,
-    "prompt_lookup_min": options.POSITIVE,
-    "prompt_lookup_max": options.POSITIVE,
-    "model": options.PATH_OR_NONE,
-    "acceptance": options.one_of("exact", "rejection"),
-    "disable_by_batch_size": options.POSITIVE_OR_NONE,
-}
-# --8<-- [end:speculative_config]
 
 
 # --8<-- [start:options]
@@ -134,8 +92,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "enforce_eager": options.FLAG,
     "async_scheduling": options.FLAG_OR_AUTO,  # "auto": True on CUDA, False on a CPU (see resolve)
     "trace_file": options.PATH_OR_NONE,
-    "speculative_config": options.Kind(lambda v: v is None or isinstance(v, (dict, SpeculativeConfig)),
-                                       "a dict such as {'method': 'ngram', 'num_speculative_tokens': 3}, or None"),
+    "speculative_config": SPECULATIVE_CONFIG,
 }
 # --8<-- [end:options]
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from .rollback import drop_pending_tokens
 
 if TYPE_CHECKING:  # only for type hints
-    from .config import SpeculativeConfig
+    from milestones.speculative_config import SpeculativeConfig
+
     from .drafter import DraftModelProposer
     from .proposer import NgramProposer
     from .scheduler import Scheduler

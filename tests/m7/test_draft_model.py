@@ -23,11 +23,11 @@ import shutil
 import pytest
 
 from milestones import m6, m7
-from milestones.m7.config import SpeculativeConfig
 from milestones.m7.detokenizer import IncrementalDetokenizer
 from milestones.m7.scheduler import Scheduler
 from milestones.m7.sequence import Sequence
 from milestones.model_store import first_layers_copy
+from milestones.speculative_config import SpeculativeConfig
 from tests.chain import assert_same_outputs, completions, mixed_workload, run
 from tests.m7.conftest import SMALL_VOCAB
 
