@@ -18,11 +18,11 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
     # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
     "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "step.py"},
-    # paged attention: a block manager, block tables and slot mapping, preemption, KV report in blocks
+    # paged attention: a block manager, block tables and slot mapping, preemption
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py",
-           "engine.py", "step.py"},
-    # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, hit reporting,
-    # a request's n samples sharing its prompt
+           "step.py"},
+    # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, a request's
+    # n samples sharing its prompt
     "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py"},
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py"},

@@ -18,6 +18,7 @@ import time
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
+from milestones.serving.kv_usage import kv_usage
 from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
@@ -164,7 +165,6 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     @serialized
-    def kv_usage(self) -> dict[str, int]:
-        """KV cache bytes reserved up front vs bytes holding tokens of running requests right now."""
-        computed = sum(seq.num_computed_tokens for seq in self.scheduler.running_seqs())
-        return {"reserved_bytes": self.runner.kv_cache_bytes, "used_bytes": computed * self.runner.kv_bytes_per_token}
+    def kv_usage(self) -> dict[str, int | float]:
+        """KV bytes reserved vs filled; from m3 the pool's blocks, from m4 the prefix cache's (milestones.serving)."""
+        return kv_usage(self.scheduler, self.runner)

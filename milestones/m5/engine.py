@@ -18,6 +18,7 @@ import time
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
+from milestones.serving.kv_usage import kv_usage
 from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
@@ -171,17 +172,5 @@ class LLMEngine:
 
     @serialized
     def kv_usage(self) -> dict[str, int | float]:
-        """KV pool bytes reserved vs filled, blocks in use / cached / free, preemptions, prefix-cache hit rate."""
-        scheduler = self.scheduler
-        computed = sum(seq.num_computed_tokens for seq in scheduler.running_seqs())
-        in_use = {b for table in scheduler.block_manager.block_tables.values() for b in table}
-        cached = set(scheduler.tree.cached_blocks()) - in_use if scheduler.tree is not None else set()
-        return {
-            "reserved_bytes": self.runner.kv_cache_bytes,
-            "used_bytes": computed * self.runner.kv_bytes_per_token,
-            "blocks_in_use": len(in_use),
-            "blocks_cached": len(cached),
-            "blocks_free": scheduler.block_manager.num_free_blocks,
-            "num_preemptions": scheduler.num_preemptions,
-            "prefix_hit_rate": scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens),
-        }
+        """KV bytes reserved vs filled; from m3 the pool's blocks, from m4 the prefix cache's (milestones.serving)."""
+        return kv_usage(self.scheduler, self.runner)
