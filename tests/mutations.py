@@ -670,14 +670,14 @@ CATALOGUE = (
         "a Q4_1 weight is made as d * q, forgetting the block's minimum (it is d * q + m)",
     ),
     Mutation(
-        "q4_1-packing-nibble-order", "milestones/kernels/quantized.py",
+        "q4_1-packing-nibble-order", "milestones/kernels/quant_blocks.py",
         "q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)",
         "q = torch.cat([nibbles >> 4, nibbles & 15], dim=-1)",
         ("tests/kernels/test_quant_linear.py::test_packed_blocks_de_quantize_to_gguf_py_s_weights",),
         "the file's byte i is read as weights i + 16 (low bits) and i (high bits): the halves of every block swapped",
     ),
     Mutation(
-        "q4_1-dequantize-minimum-dropped", "milestones/kernels/quantized.py",
+        "q4_1-dequantize-minimum-dropped", "milestones/kernels/quant_blocks.py",
         "w = d[:, :, None] * q + m[:, :, None]",
         "w = d[:, :, None] * q",
         ("tests/kernels/test_quant_linear.py::test_packed_blocks_de_quantize_to_gguf_py_s_weights",),

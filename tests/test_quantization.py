@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from milestones import m1, m6, m8
-from milestones.kernels.quantized import QuantEmbedding, QuantLinear, QuantMLP, weight_bytes
+from milestones.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantMLP
+from milestones.kernels.quantized import weight_bytes
 from tests.chain import LIMITS, LOGPROB_ATOL, assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
 

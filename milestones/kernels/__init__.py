@@ -11,8 +11,9 @@
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
 * ``quantization`` (every milestone): "gguf" keeps the bundled file's 4-bit (Q4_1) and 8-bit (Q8_0) blocks, "int8"
-  makes 8-bit weights at load time; a compiled kernel (``quant_linear.cpp``) makes them float32 in registers as it
-  multiplies (``quantized.py``). CPU and float32 only; refused elsewhere.
+  makes 8-bit weights at load time (``quantized.py``, the blocks in ``quant_blocks.py``); a compiled kernel
+  (``quant_linear.cpp``, called by ``quant_linear.py``) makes them float32 in registers as it multiplies. CPU and
+  float32 only; refused elsewhere.
 
 The compiled kernels apply on a CPU, in float32 or bfloat16; "auto" (the default) takes them
 where they apply and work, batched attention on CUDA, and the plain-torch reference otherwise.

@@ -1,6 +1,6 @@
 // y = x W^T (+ bias) for float32 x and a weight kept as small integers in blocks: the fast path behind
-// quantization="gguf" and "int8" (quantized.py packs the weights, builds this file and registers its ops
-// milestones::quant_linear and milestones::quant_silu_mul).
+// quantization="gguf" and "int8" (quant_blocks.py packs the weights; quant_linear.py builds this file and registers
+// its ops milestones::quant_linear and milestones::quant_silu_mul).
 //
 // A decode step at batch 1 reads every weight once, so it runs at the speed of memory; a weight of 4 or 8 bits is a
 // fraction of a float32's 32, and the step reads that fraction of the bytes. The price is arithmetic: each weight

@@ -1,17 +1,8 @@
-"""Quantized linear layers (``quant_linear.cpp``): the CPU path of ``quantization="gguf"`` and ``"int8"``.
+"""``quantization="gguf"`` and ``"int8"``: which quantized weights a model's linear layers get, checked, swapped in.
 
-A decode step at batch 1 reads every weight once; SmolLM2-135M in float32 is 538 MB a token. The bundled file
-is smaller because its weights are stored as small integers in blocks (GGUF's formats):
-
-* Q4_1, the decoder's linear layers: 32 weights share a float16 scale ``d`` and minimum ``m``, and each is a 4-bit
-  ``q``; the weight is ``d * q + m``. 20 bytes for 32 weights: 5 bits a weight.
-* Q8_0, the token embedding (which is also the LM head): 32 weights share a scale, each an 8-bit ``q``: ``d * q``.
-
-``"gguf"`` keeps those blocks as they are, repacked in panels of 16 output columns for the kernel, and makes each
-weight a float32 in registers as it is used. ``d * q`` is exact in float32, so each weight is exactly the float32
-number that transformers makes when it de-quantizes the file, the weights the chain runs on; the kernel sums in
-panel_linear's order, so the logits are the float32 engine's, bit for bit. That is checked at load time, every
-block against the float32 weight it replaces: a model the file does not hold is refused, not approximated.
+``"gguf"`` keeps the bundled file's blocks (``quant_blocks.py``), which the kernel (``quant_linear.py``) makes
+float32 exactly, so the logits are the float32 engine's, bit for bit. That is checked at load time, every block
+against the float32 weight it replaces: a model the file does not hold is refused, not approximated.
 
 ``"int8"`` quantizes any checkpoint at load time: per output column, the largest weight's magnitude maps to 127
 (symmetric), and the kernel multiplies the column's sum by its scale. That is an approximation; the benchmarks page
@@ -20,24 +11,16 @@ measures how close. The embedding stays float32 there (a lookup reads one row a 
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch import nn
 
 from . import rms_norm
-from .build import compile_library
 from .huge_pages import move_to_huge_pages
+from .quant_blocks import GGUF_BLOCK_BYTES, QuantWeight, dequantize, pack_gguf, pad_rows, quantize_int8
+from .quant_linear import QuantEmbedding, QuantLinear, QuantMLP, load_quant_linear
 
-SOURCE = Path(__file__).with_name("quant_linear.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast")  # no fast-math: the order of the sums is fixed
-PANEL, BLOCK = 16, 32  # output columns per packed panel, k per block: as in quant_linear.cpp
 QUANTIZATIONS = ("gguf", "int8")
-FORMATS = {"Q4_1": 0, "Q8_0": 1, "int8": 2}  # the kernel's format codes
-GGUF_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # a block of 32 weights in the file
 LAYER_TENSORS = {  # our module's name in a decoder layer -> the GGUF tensors (llama's names) it is made of
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "self_attn.o_proj": ("attn_output",),
@@ -45,107 +28,6 @@ LAYER_TENSORS = {  # our module's name in a decoder layer -> the GGUF tensors (l
     "mlp.up_proj": ("ffn_up",),
     "mlp.down_proj": ("ffn_down",),
 }
-
-
-def load_quant_linear() -> None:
-    """Build (once per machine) and load ``torch.ops.milestones.quant_linear`` and ``quant_silu_mul``.
-
-    Raises if it cannot be built, and at once on later calls: a failing build is tried once.
-    """
-    compile_library(SOURCE, FLAGS)
-    _register_shape()
-
-
-@functools.cache
-def _register_shape() -> None:
-    torch.library.register_fake("milestones::quant_linear", _quant_linear_shape)
-    torch.library.register_fake("milestones::quant_silu_mul", _quant_silu_mul_shape)
-
-
-def _quant_linear_shape(x, packed_weight, scale, bias, out_features, format):  # noqa: A002 (the op's own name)
-    return x.new_empty((*x.shape[:-1], out_features))
-
-
-def _quant_silu_mul_shape(x, packed_gate_up, scale, intermediate, format):  # noqa: A002
-    return x.new_empty((*x.shape[:-1], intermediate))
-
-
-# --8<-- [start:packed]
-@dataclass(slots=True)
-class QuantWeight:
-    """A weight packed for the kernel: ``[panels, in / 32, bytes]`` uint8, and int8's scale per (padded) column."""
-
-    format: str  # "Q4_1", "Q8_0" or "int8"
-    packed: torch.Tensor
-    scale: torch.Tensor | None
-    out_features: int
-# --8<-- [end:packed]
-
-
-def _panels(rows: torch.Tensor) -> torch.Tensor:
-    """``[out, ...]`` padded with zeros to whole panels of 16 rows: ``[panels, 16, ...]`` (zero blocks are weight 0)."""
-    padded = torch.zeros((-(-rows.shape[0] // PANEL) * PANEL, *rows.shape[1:]), dtype=rows.dtype)
-    padded[: rows.shape[0]] = rows
-    return padded.view(-1, PANEL, *rows.shape[1:])
-
-
-# --8<-- [start:pack_q4_1]
-def pack_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF's Q4_1 blocks ``[out, in / 32, 20]`` (a row's blocks in order of k) to the kernel's panels.
-
-    A file's block is ``d`` and ``m`` (float16), then 16 bytes: byte i holds weight i in its low 4 bits and weight
-    i + 16 in its high 4. A panel's block is its 16 columns' ``d``, their ``m``, then for each pair of k
-    (2j, 2j + 1) a byte per column, k = 2j in the low 4 bits: ``[panels, in / 32, 32 + 32 + 256]``.
-    """
-    panels = _panels(blocks)  # [panels, 16 columns, in / 32, 20]
-    scales = panels[..., 0:2].permute(0, 2, 1, 3).flatten(2), panels[..., 2:4].permute(0, 2, 1, 3).flatten(2)
-    nibbles = panels[..., 4:]
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # [panels, 16, in / 32, 32]: the 32 weights in order of k
-    pairs = q[..., 0::2] | (q[..., 1::2] << 4)  # [panels, 16, in / 32, 16 pairs]
-    return torch.cat([*scales, pairs.permute(0, 2, 3, 1).flatten(2)], dim=-1).contiguous()
-# --8<-- [end:pack_q4_1]
-
-
-def pack_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF's Q8_0 blocks ``[out, in / 32, 34]`` (``d``, then 32 signed bytes) to ``[panels, in / 32, 32 + 512]``:
-    the panel's 16 ``d``, then for each k its 16 columns' bytes."""
-    panels = _panels(blocks)
-    scales = panels[..., 0:2].permute(0, 2, 1, 3).flatten(2)
-    return torch.cat([scales, panels[..., 2:].permute(0, 2, 3, 1).flatten(2)], dim=-1).contiguous()
-
-
-# --8<-- [start:quantize_int8]
-def quantize_int8(weight: torch.Tensor) -> QuantWeight:
-    """Per output column, symmetric: ``q = round(w / s)``, ``s = max |w| / 127``; packed ``[panels, in / 32, 512]``."""
-    out_features, in_features = weight.shape
-    if in_features % BLOCK:
-        raise ValueError(f"quantization='int8' needs every linear layer's in_features to be a multiple of {BLOCK}, "
-                         f"got {in_features}")
-    weight = weight.detach().float()
-    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    panels = _panels(q.view(out_features, -1, BLOCK))  # [panels, 16, in / 32, 32]
-    packed = panels.permute(0, 2, 3, 1).flatten(2).contiguous().view(torch.uint8)
-    return QuantWeight("int8", packed, _panels(scale).flatten().contiguous(), out_features)
-# --8<-- [end:quantize_int8]
-
-
-# --8<-- [start:dequantize]
-def dequantize(weight: QuantWeight) -> torch.Tensor:
-    """The float32 weights ``[out, in]`` the kernel makes in registers, made here with torch (for checking)."""
-    packed = weight.packed
-    panels, blocks = packed.shape[:2]
-    if weight.format == "Q4_1":
-        d, m = (packed[..., i : i + 32].contiguous().view(torch.float16).float() for i in (0, 32))  # [p, b, 16]
-        pairs = packed[..., 64:].view(panels, blocks, BLOCK // 2, PANEL)
-        q = torch.stack([pairs & 15, pairs >> 4], dim=3).view(panels, blocks, BLOCK, PANEL).float()
-        w = d[:, :, None] * q + m[:, :, None]
-    else:
-        q = packed[..., -BLOCK * PANEL :].contiguous().view(torch.int8).view(panels, blocks, BLOCK, PANEL).float()
-        w = q if weight.format == "int8" else packed[..., :32].contiguous().view(torch.float16).float()[:, :, None] * q
-    w = w.permute(0, 3, 1, 2).reshape(panels * PANEL, blocks * BLOCK)[: weight.out_features]
-    return w if weight.scale is None else w * weight.scale[: weight.out_features, None]
-# --8<-- [end:dequantize]
 
 
 # --8<-- [start:gguf_blocks]
@@ -164,72 +46,6 @@ def gguf_blocks(reader, name: str, heads: int = 0) -> tuple[str, torch.Tensor]:
         blocks = blocks.view(heads, out // heads // 2, 2, *blocks.shape[1:]).transpose(1, 2).reshape(blocks.shape)
     return kind, blocks
 # --8<-- [end:gguf_blocks]
-
-
-def pack_gguf(blocks: list[tuple[str, torch.Tensor]]) -> QuantWeight:
-    """GGUF tensors of one block type, stacked by output rows (q, k and v as one qkv_proj), packed for the kernel."""
-    kinds = {kind for kind, _ in blocks}
-    if len(kinds) != 1:
-        raise ValueError(f"quantization='gguf' stacks tensors of one block type only, got {sorted(kinds)}")
-    (kind,) = kinds
-    rows = torch.cat([b for _, b in blocks])
-    return QuantWeight(kind, (pack_q4_1 if kind == "Q4_1" else pack_q8_0)(rows), None, rows.shape[0])
-
-
-# --8<-- [start:quant_linear]
-class QuantLinear(nn.Module):
-    """``nn.Linear``'s forward over a quantized weight, through the kernel; float32 in, float32 out (a head's too)."""
-
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.out_features, self.format = weight.out_features, FORMATS[weight.format]
-        # Buffers, so that a compiled step (m5's capture, which freezes them) holds them as constants, not inputs.
-        self.register_buffer("packed_weight", weight.packed, persistent=False)
-        self.register_buffer("scale", weight.scale, persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().float(), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.milestones.quant_linear(x, self.packed_weight, self.scale, self.bias, self.out_features,
-                                                 self.format)
-# --8<-- [end:quant_linear]
-
-
-class QuantMLP(nn.Module):
-    """A gated MLP, ``down(silu(gate(x)) * up(x))``, with gate and up as one quantized weight and one kernel call."""
-
-    def __init__(self, gate_up: QuantWeight, intermediate: int, down_proj: QuantLinear) -> None:
-        super().__init__()
-        self.intermediate, self.format = intermediate, FORMATS[gate_up.format]
-        self.register_buffer("packed_weight", gate_up.packed, persistent=False)
-        self.register_buffer("scale", gate_up.scale, persistent=False)
-        self.down_proj = down_proj
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        up = torch.ops.milestones.quant_silu_mul(x, self.packed_weight, self.scale, self.intermediate, self.format)
-        return self.down_proj(up)
-
-
-# --8<-- [start:embedding]
-class QuantEmbedding(nn.Module):
-    """A token embedding looked up in the LM head's Q8_0 panels (the bundled model ties the two): no float32 table.
-
-    Token t is column t % 16 of panel t // 16: its 32-weight blocks are gathered and made float32 (``d * q``,
-    exact), the rows the float32 table holds.
-    """
-
-    def __init__(self, head: QuantLinear) -> None:
-        super().__init__()
-        self.head = head
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        packed = self.head.packed_weight  # [panels, in / 32, 32 + 32 x 16]
-        panel, column = input_ids // PANEL, input_ids % PANEL
-        blocks = packed[panel]  # [..., in / 32, 544]
-        d = blocks[..., :32].view(torch.float16).gather(-1, column[..., None, None].expand(*blocks.shape[:-1], 1))
-        q = blocks[..., 32:].view(*blocks.shape[:-1], BLOCK, PANEL).view(torch.int8)
-        q = q.gather(-1, column[..., None, None, None].expand(*q.shape[:-1], 1))[..., 0]  # [..., in / 32, 32]
-        return (d.float() * q.float()).flatten(-2)
-# --8<-- [end:embedding]
 
 
 def check_quantization(quantization: str | None, device: torch.device, dtype: torch.dtype,
@@ -291,7 +107,7 @@ class Int8Rows:
 
     def pack(self, names: list[str], pad: bool = False) -> QuantWeight:
         weights = [self.model.get_submodule(name).weight.detach() for name in names]
-        return quantize_int8(torch.cat([_pad_rows(w) if pad else w for w in weights]))
+        return quantize_int8(torch.cat([pad_rows(w) if pad else w for w in weights]))
 
 
 class GgufRows:
@@ -325,7 +141,7 @@ class GgufRows:
         for name in names:
             blocks = self.tensors(name)
             self.check(name, pack_gguf(blocks))
-            parts += [(kind, _pad_rows(b) if pad else b) for kind, b in blocks]
+            parts += [(kind, pad_rows(b) if pad else b) for kind, b in blocks]
         return pack_gguf(parts)
 
     # --8<-- [start:check]
@@ -339,11 +155,6 @@ class GgufRows:
                              f"is not this model's weight ({detail}): the file does not hold this model; use "
                              f"quantization='int8' or None")
     # --8<-- [end:check]
-
-
-def _pad_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Rows padded with zeros to whole panels (a fused gate and up: each padded, as the kernel expects)."""
-    return _panels(rows).flatten(0, 1)
 
 
 def place_in_huge_pages(model: nn.Module) -> None:

@@ -19,14 +19,8 @@ import torch
 
 from milestones.kernels import check_quantization
 from milestones.kernels.panel_linear import load_panel_linear, pack_weight
-from milestones.kernels.quantized import (
-    FORMATS,
-    QuantWeight,
-    dequantize,
-    load_quant_linear,
-    pack_gguf,
-    quantize_int8,
-)
+from milestones.kernels.quant_blocks import QuantWeight, dequantize, pack_gguf, quantize_int8
+from milestones.kernels.quant_linear import FORMATS, load_quant_linear
 from tests.conftest import needs_compiler
 from tests.kernels import assert_one_opaque_op_to_torch_compile
 from tests.kernels.test_panel_linear import assert_within_float32_sum_bound
@@ -166,18 +160,18 @@ def test_a_quantization_that_cannot_run_is_refused(options, message):
 
 AVX2_CHECK = """
 import json, sys, torch
-import milestones.kernels.quantized as quantized
+import milestones.kernels.quant_linear as layer
+from milestones.kernels.quant_blocks import pack_gguf, quantize_int8
 from tests.kernels.test_quant_linear import random_blocks
-quantized.FLAGS = quantized.FLAGS + ("-mno-avx512f",)
-quantized.load_quant_linear()
+layer.FLAGS = layer.FLAGS + ("-mno-avx512f",)
+layer.load_quant_linear()
 out = {}
 for kind in ("Q4_1", "Q8_0", "int8"):
     torch.manual_seed(0)
-    w = quantized.quantize_int8(torch.randn(200, 576)) if kind == "int8" else quantized.pack_gguf(
-        [(kind, random_blocks(kind, 200, 576))])
+    w = quantize_int8(torch.randn(200, 576)) if kind == "int8" else pack_gguf([(kind, random_blocks(kind, 200, 576))])
     for rows in (1, 5, 33):
         x = torch.randn(rows, 576)
-        y = torch.ops.milestones.quant_linear(x, w.packed, w.scale, None, 200, quantized.FORMATS[kind])
+        y = torch.ops.milestones.quant_linear(x, w.packed, w.scale, None, 200, layer.FORMATS[kind])
         out[f"{kind}/{rows}"] = y.view(torch.int32).flatten().tolist()
 json.dump(out, sys.stdout)
 """
