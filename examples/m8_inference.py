@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def default_size(model_config, device) -> int:
     """The --tensor-parallel-size when none is given (see its help)."""
-    from milestones.m8.distributed import check_tensor_parallel
+    from milestones.options import check_tensor_parallel
     from milestones.runtime.torchrun import torchrun_world_size
 
     if (world_size := torchrun_world_size()) is not None:
@@ -69,8 +69,7 @@ def default_size(model_config, device) -> int:
 
     for size in [torch.cuda.device_count()] if device.type == "cuda" else [3, 2]:
         try:
-            check_tensor_parallel(size, model_config.num_heads, model_config.num_kv_heads,
-                                  model_config.intermediate_size, device)
+            check_tensor_parallel(size, model_config, device)
             return size
         except ValueError:
             continue

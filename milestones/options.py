@@ -1,5 +1,5 @@
-"""Engine options checked from a table: a line per option, saying what its value must be; and the device and
-dtype every milestone resolves alike.
+"""Engine options checked from a table: a line per option, saying what its value must be; the device and
+dtype every milestone resolves alike; and (m8) the tensor-parallel sizes a model and a machine can run.
 
 Not a lesson: every milestone adds options, and with a table each one costs its
 milestone a line (``"async_scheduling": FLAG``), not another ``if``. Checks that relate
@@ -13,9 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
+import torch.distributed as dist
+
+from milestones.runtime.torchrun import torchrun_world_size
+
+if TYPE_CHECKING:  # only for type hints
+    from milestones.hf_checkpoint import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +112,29 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
     return dtype
+
+
+# --8<-- [start:check_tensor_parallel]
+def check_tensor_parallel(size: int, model: ModelConfig, device: torch.device) -> None:
+    """m8: refuse a tensor_parallel_size this model or machine cannot run, before any process starts."""
+    if size == 1:
+        return
+    num_heads, num_kv_heads, intermediate_size = model.num_heads, model.num_kv_heads, model.intermediate_size
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {num_heads} attention heads: "
+                         f"use one of {[n for n in range(1, num_heads + 1) if num_heads % n == 0]}")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's {num_kv_heads} KV heads or be a "
+                         "multiple of them (each rank then holds a copy of one)")
+    if intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size {size} does not divide the MLP's width ({intermediate_size})")
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise ValueError("tensor_parallel_size > 1 needs torch.distributed with gloo, which this torch build lacks")
+    if device.type == "cuda":
+        if not dist.is_nccl_available():
+            raise ValueError("tensor_parallel_size > 1 on CUDA needs NCCL, which this torch build lacks")
+        first = device.index or 0  # rank r runs on the GPU r after rank 0's (torchrun: its LOCAL_RANK)
+        if torchrun_world_size() is None and first + size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} from {device} needs GPUs {first} to {first + size - 1}; "
+                             f"this machine has {torch.cuda.device_count()}: lower it, or run on device='cpu'")
+# --8<-- [end:check_tensor_parallel]

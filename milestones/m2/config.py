@@ -9,7 +9,7 @@ import torch
 from milestones import options
 from milestones.kernels import check_platform
 
-DEFAULT_MAX_MODEL_LEN = 2048  # each request's KV slot is this long, so keep the default modest
+DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
 
 
 @dataclass(slots=True)
@@ -23,7 +23,7 @@ class EngineConfig:
     quantization: str | None = None  # "gguf": the bundled file's 4-bit blocks kept; "int8": made at load; CPU
     attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
     #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
-    max_num_seqs: int = 16  # requests running at once (each owns a KV slot of max_model_len)
+    max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
 
     def resolve(self, model_max_len: int) -> EngineConfig:

@@ -18,10 +18,10 @@ import time
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
-from milestones.serving.kv_usage import kv_usage
 from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
+from milestones.serving.reports import kv_usage
 from milestones.serving.sampling_params import SamplingParams, checked_params
 from milestones.serving.structured_output import StructuredOutputManager
 

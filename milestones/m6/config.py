@@ -9,7 +9,7 @@ import torch
 from milestones import options
 from milestones.kernels import check_platform
 
-DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
 
 
 @dataclass(slots=True)

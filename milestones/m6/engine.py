@@ -25,10 +25,10 @@ import weakref
 from transformers import AutoConfig, AutoTokenizer
 
 from milestones.model_store import resolve_model
-from milestones.serving.kv_usage import kv_usage
 from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
+from milestones.serving.reports import graph_stats, kv_usage
 from milestones.serving.sampling_params import SamplingParams, checked_params
 from milestones.serving.structured_output import StructuredOutputManager
 from milestones.trace import Tracer
@@ -234,7 +234,7 @@ class LLMEngine:
     @serialized
     def graph_stats(self) -> dict[str, object]:
         """Captured batch sizes, decode steps replayed, padding rows run, eager steps, seconds spent capturing."""
-        return self.runner.graph_stats()
+        return graph_stats(self.runner)
 
     @serialized
     def kv_usage(self) -> dict[str, int | float]:

@@ -1,11 +1,9 @@
 """Own the model and its KV pool; turn a scheduled batch into tensors, run it, sample.
 
-As in m4, every scheduled token of every request goes into one flat batch, and each
-request reaches its keys and values through its block table. What m5 adds: a step in
-which every request decodes one token, and whose batch fits a captured size, is not
-run operator by operator but replayed by the ``GraphRunner``; every other step (a
-prefill chunk in it, more requests than the largest capture, ``enforce_eager``)
-runs eagerly, exactly as in m4.
+As in m4, every scheduled token of every request goes into one flat batch, and each request reaches its keys
+and values through its block table. What m5 adds: a step in which every request decodes one token, and whose
+batch fits a captured size, is not run operator by operator but replayed by the ``GraphRunner``; every other
+step (a prefill chunk in it, more requests than the largest capture, ``enforce_eager``) runs eagerly, as in m4.
 
 m6: the host ``prepare``s a step as plain lists (the host changes the sequences while
 it runs) and the forward worker ``execute``s it: tensors, future ids resolved, forward,
@@ -187,17 +185,6 @@ class ModelRunner:
             inputs.context_lens.append(position + 1)
         return inputs
     # --8<-- [end:decode_inputs]
-
-    def graph_stats(self) -> dict[str, object]:
-        """Which batch sizes were captured, and how many steps were replayed, padded or run eagerly."""
-        graphs = self.graph_runner
-        return {
-            "captured_sizes": graphs.sizes if graphs else [],
-            "replays": graphs.num_replays if graphs else 0,
-            "eager_steps": self.num_eager_steps,
-            "padded_rows": graphs.num_padded_rows if graphs else 0,
-            "capture_seconds": graphs.capture_seconds if graphs else 0.0,
-        }
 
     def _tensor(self, values: list) -> torch.Tensor:
         return to_device(values, torch.long, self.device)

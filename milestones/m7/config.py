@@ -10,7 +10,7 @@ from milestones import options
 from milestones.kernels import check_platform
 from milestones.speculative_config import SPECULATIVE_CONFIG, SpeculativeConfig
 
-DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
 
 
 @dataclass(slots=True)

@@ -8,11 +8,10 @@ import torch
 
 from milestones import options
 from milestones.kernels import check_platform
+from milestones.runtime.torchrun import torchrun_world_size
 from milestones.speculative_config import SPECULATIVE_CONFIG, SpeculativeConfig
 
-from .distributed import torchrun_world_size
-
-DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
 
 
 @dataclass(slots=True)

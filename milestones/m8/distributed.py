@@ -21,8 +21,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from milestones.runtime.torchrun import torchrun_world_size
-
 COLLECTIVE_TIMEOUT = timedelta(seconds=20)  # the longest a rank waits for the others inside a step
 IDLE_TIMEOUT = timedelta(days=365)  # the other ranks wait for the next step as long as the engine is idle
 
@@ -120,28 +118,3 @@ def join(store: dist.Store, rank: int, size: int, device: torch.device) -> Tenso
     return TensorParallel(rank, size, compute, messages)
 # --8<-- [end:join]
 
-
-# --8<-- [start:check]
-def check_tensor_parallel(size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
-                          device: torch.device) -> None:
-    """Refuse a tensor_parallel_size this model or machine cannot run, before any process starts."""
-    if size == 1:
-        return
-    if num_heads % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the model's {num_heads} attention heads: "
-                         f"use one of {[n for n in range(1, num_heads + 1) if num_heads % n == 0]}")
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(f"tensor_parallel_size {size} must divide the model's {num_kv_heads} KV heads or be a "
-                         "multiple of them (each rank then holds a copy of one)")
-    if intermediate_size % size:
-        raise ValueError(f"tensor_parallel_size {size} does not divide the MLP's width ({intermediate_size})")
-    if not dist.is_available() or not dist.is_gloo_available():
-        raise ValueError("tensor_parallel_size > 1 needs torch.distributed with gloo, which this torch build lacks")
-    if device.type == "cuda":
-        if not dist.is_nccl_available():
-            raise ValueError("tensor_parallel_size > 1 on CUDA needs NCCL, which this torch build lacks")
-        first = device.index or 0  # rank r runs on the GPU r after rank 0's (torchrun: its LOCAL_RANK)
-        if torchrun_world_size() is None and first + size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size {size} from {device} needs GPUs {first} to {first + size - 1}; "
-                             f"this machine has {torch.cuda.device_count()}: lower it, or run on device='cpu'")
-# --8<-- [end:check]

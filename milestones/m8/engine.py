@@ -28,18 +28,19 @@ import weakref
 
 from transformers import AutoConfig, AutoTokenizer
 
+from milestones import options
 from milestones.model_store import resolve_model
-from milestones.serving.kv_usage import kv_usage
 from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
+from milestones.serving.reports import graph_stats, kv_usage
 from milestones.serving.sampling_params import SamplingParams, checked_params
 from milestones.serving.structured_output import StructuredOutputManager
 from milestones.trace import Tracer
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .distributed import SINGLE, check_tensor_parallel
+from .distributed import SINGLE
 from .drafter import make_proposer
 from .executor import start_ranks
 from .model import ModelConfig
@@ -70,8 +71,7 @@ class LLMEngine:
         self.config = config.resolve(self.model_config.max_position_embeddings)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.eos_token_ids = eos_token_ids(path)
-        model, size = self.model_config, self.config.tensor_parallel_size
-        check_tensor_parallel(size, model.num_heads, model.num_kv_heads, model.intermediate_size, self.config.device)
+        options.check_tensor_parallel(self.config.tensor_parallel_size, self.model_config, self.config.device)
         self.workers = start_ranks(self.config, self.model_config, path)  # m8: the other ranks, loading their shards
         self._stop_workers = weakref.finalize(self, self.workers.close) if self.workers else None
         try:
@@ -266,7 +266,7 @@ class LLMEngine:
     @serialized
     def graph_stats(self) -> dict[str, object]:
         """Captured batch sizes, decode steps replayed, padding rows run, eager steps, seconds spent capturing."""
-        return self.runner.graph_stats()
+        return graph_stats(self.runner)
 
     @serialized
     def spec_stats(self) -> dict[str, int | float]:

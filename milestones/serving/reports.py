@@ -1,9 +1,9 @@
-"""How full the KV cache is, for ``engine.kv_usage()``: a report, no lesson, written once for every milestone.
+"""What an engine reports of itself, ``engine.kv_usage()`` and ``engine.graph_stats()``: no lesson, written once.
 
-Each milestone's cache shows in what its scheduler and runner hold, and the report reads what is there: m1 and
+Each milestone's cache shows in what its scheduler and runner hold, and ``kv_usage`` reads what is there: m1 and
 m2 a slot per request (bytes reserved and filled); m3 a pool of blocks (``scheduler.block_manager``: blocks in
 use and free, preemptions); m4 on, a prefix cache over them (``scheduler.tree``: blocks only the tree holds, and
-the share of prompt tokens found in it).
+the share of prompt tokens found in it). From m5, ``graph_stats`` counts the captured steps.
 """
 
 from __future__ import annotations
@@ -31,3 +31,15 @@ def kv_usage(scheduler: Any, runner: Any) -> dict[str, int | float]:
     if has_tree:
         usage["prefix_hit_rate"] = scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens)
     return usage
+
+
+def graph_stats(runner: Any) -> dict[str, object]:
+    """m5 on: which batch sizes were captured, and how many steps were replayed, padded or run eagerly."""
+    graphs = runner.graph_runner
+    return {
+        "captured_sizes": graphs.sizes if graphs else [],
+        "replays": graphs.num_replays if graphs else 0,
+        "eager_steps": runner.num_eager_steps,
+        "padded_rows": graphs.num_padded_rows if graphs else 0,
+        "capture_seconds": graphs.capture_seconds if graphs else 0.0,
+    }
