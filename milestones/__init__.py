@@ -6,7 +6,8 @@ byte-identical to its predecessor's copy (``tests/test_milestone_diffs.py``
 checks it), so ``diff -ru milestones/m1 milestones/m2`` shows exactly the lesson.
 Platform speed-ups that are no lesson live in ``milestones.kernels``, shared by all; serving features
 that are no lesson (the ``LLM`` front end, ``SamplingParams``, n > 1, structured output, request outputs)
-live in ``milestones.serving``; and so does the plumbing every milestone uses alike (``options``,
+live in ``milestones.serving``; supervision of worker threads and processes in ``milestones.runtime``; and
+the plumbing every milestone uses alike beside them (``options``, ``speculative_config``, ``hf_checkpoint``,
 ``transfer``, ``trace``, ``model_store``).
 """
 

@@ -70,7 +70,7 @@ STEPS: tuple[Step, ...] = (
                    "self.locked and self.locked_tokens say so.",
                    how="`self.tree.insert(tokens, table[:num_blocks])` with the table from "
                    "`self.block_manager.block_tables`; `self.block_manager.hold(block)` for each adopted block; "
-                   "`self.block_manager.use_cached(seq.request_id, _path_blocks(node))`; lock the new node before "
+                   "`self.block_manager.use_cached(seq.request_id, path_blocks(node))`; lock the new node before "
                    "unlocking the old one (they may share a path)."),
           Exercise("scheduler.py", "schedule", ("Scheduler._make_room",),
                    "whether the blocks the request needs to hold num_tokens tokens, plus headroom, are free; "

@@ -29,9 +29,9 @@ STEPS: tuple[Step, ...] = (
          (Exercise("speculation.py", "check", ("Speculator.check",),
                    "token is the model's pick where the next row read guess. Equal: the guess is kept, counted "
                    "once in `seq.metrics.num_accepted_tokens` and once in `self.num_accepted_tokens`, and "
-                   "seq.num_lookahead rises by one, to at most `self.config.num_speculative_tokens`. Not equal: "
+                   "seq.spec.num_lookahead rises by one, to at most `self.config.num_speculative_tokens`. Not equal: "
                    "the rows after it read a wrong token, so their tokens and KV are dropped, the request is "
-                   "trimmed (its blocks past its tokens, a draft's count), and seq.num_lookahead is halved, "
+                   "trimmed (its blocks past its tokens, a draft's count), and seq.spec.num_lookahead is halved, "
                    "rounding down, to at least `self.proposer.min_lookahead`.",
                    how="an if/else on token == guess; a rejection calls `drop_pending_tokens(seq)` (rollback.py: "
                    "the later rows' tokens and computed count) and `self.scheduler.trim(seq)` (below); halve with "
@@ -44,7 +44,7 @@ STEPS: tuple[Step, ...] = (
                    how="`self.block_tables.get(request_id, [])`, then pop while it is longer than needed."),
           Exercise("scheduler.py", "trim", ("Scheduler.trim",),
                    "after a rejected guess: the request keeps only the blocks of its seq.num_tokens tokens (the "
-                   "block manager's shrink), and seq.num_drafted_tokens becomes at most `seq.num_tokens - 1`: a "
+                   "block manager's shrink), and seq.spec.num_drafted_tokens becomes at most `seq.num_tokens - 1`: a "
                    "draft model's keys and values count only up to the slot whose token changed (step 4's draft "
                    "relies on it).",
                    how="two lines: `self.block_manager.shrink(seq.request_id, seq.num_tokens)`, then the min."))),
@@ -54,7 +54,7 @@ STEPS: tuple[Step, ...] = (
          "ends at itself, so it reads the rows before it and none after",
          (Exercise("model_runner.py", "decode_inputs", ("ModelRunner.decode_inputs",),
                    "`(DecodeInputs, sample_seqs)`: for each request of the batch, a row for every token of "
-                   "`(seq.token_ids + seq.draft_token_ids)[seq.num_computed_tokens:]` (its last token, then its "
+                   "`(seq.token_ids + seq.spec.draft_token_ids)[seq.num_computed_tokens:]` (its last token, then its "
                    "guesses), at positions num_computed_tokens, ...: the token, its position p, its slot "
                    "`table[p // block_size] * block_size + p % block_size`, a copy of the request's table (one "
                    "copy for all its rows: the host grows the live one while the step runs), context length p + "
@@ -63,17 +63,17 @@ STEPS: tuple[Step, ...] = (
                    "list(table)`, then `for position, token in enumerate(tokens, seq.num_computed_tokens)` "
                    "append to the five lists and to sample_seqs."),)),
     Step("a draft model guesses, in the requests' own blocks", ("tests/m7/test_draft_model.py",),
-         "the draft computes what the target computes every step (from num_drafted_tokens to the end of each "
+         "the draft computes what the target computes every step (from seq.spec.num_drafted_tokens to the end of each "
          "row's chunk), with the first guesses, then one guess per forward; a rejected guess's slot holds "
          "another token afterwards, so trim (step 2) counts the draft's KV back",
          (Exercise("drafter.py", "draft_model", ("DraftModelProposer.propose_batch",),
-                   "the draft computes, for every row of the batch, its tokens from seq.num_drafted_tokens to the "
+                   "the draft computes, for every row of the batch, its tokens from seq.spec.num_drafted_tokens to the "
                    "end of the row's chunk (num_computed_tokens + num_new_tokens), and up to "
                    "`batch.guess_rooms.get(row, 0)` guesses, one more forward each; afterwards each "
-                   "seq.num_drafted_tokens says how far the draft computed. Return `{row: [guesses]}` for every "
+                   "seq.spec.num_drafted_tokens says how far the draft computed. Return `{row: [guesses]}` for every "
                    "row with room. With self.rejection, each sampled (not greedy) request's guesses also get the "
                    "distribution each was drawn from, in order: `batch.guess_probs[request_id]`.",
-                   how="give each row a `DraftView(seq.token_ids[:end], seq.num_drafted_tokens, params, seq.seed, "
+                   how="give each row a `DraftView(seq.token_ids[:end], seq.spec.num_drafted_tokens, params, seq.seed, "
                    "seq.prompt_token_ids, room)`, params without logprobs or prompt_logprobs. While some view is "
                    "active (first all of them, then those with room left), one forward of the draft over them: "
                    "`self.runner.execute(sampling_guesses_only(self.runner.prepare(ScheduledBatch(views, new "
@@ -82,7 +82,7 @@ STEPS: tuple[Step, ...] = (
                    "its end, and a view with room appends its token, adds it to its row's guesses and has one "
                    "less room; with self.rejection, a view that is not greedy also appends the next of "
                    "`self.runner.sampler.drawn_from` (read after the forward) to its request's "
-                   "`batch.guess_probs` list. Then set each `seq.num_drafted_tokens` to its view's "
+                   "`batch.guess_probs` list. Then set each `seq.spec.num_drafted_tokens` to its view's "
                    "num_computed_tokens."),)),
     Step("rejection sampling: the model's distribution, not m6's tokens",
          ("tests/m7/test_rejection.py", "-k", "not engine_keeps"),  # the rule; the engine-wide tests run in make test

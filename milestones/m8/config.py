@@ -101,7 +101,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "async_scheduling": options.FLAG_OR_AUTO,  # "auto": True on CUDA, False on a CPU (see resolve)
     "trace_file": options.PATH_OR_NONE,
     "speculative_config": SPECULATIVE_CONFIG,
-    "tensor_parallel_size": options.POSITIVE,  # and one the model's heads and MLP width split into (distributed.py)
+    "tensor_parallel_size": options.POSITIVE,  # and one the model's heads and MLP width split into (options.py)
 }
 # --8<-- [end:options]
 

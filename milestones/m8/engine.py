@@ -173,9 +173,10 @@ class LLMEngine:
         except BaseException as error:  # the step raised, or the wait for it was interrupted (Ctrl-C)
             roll_back(launched, self.pending, self.scheduler)
             self.pending = None
-            if self.workers is not None:  # m8: the ranks may have stopped at different points of the step
-                self._stop_worker()  # so the engine takes no more steps, and no rank waits in a collective the
-                self.workers.abandon(error, "a tensor-parallel step")  # others will never call: all are stopped
+            if self.workers is not None:  # m8: the ranks may have stopped at different points of the step, so the
+                # engine takes no more steps, and every rank is stopped: none waits in a collective that will not come
+                self._stop_worker()
+                self.workers.abandon(error, "a tensor-parallel step")
             raise
         start = self.tracer.now()
         self.num_steps += 1

@@ -72,7 +72,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return device if device.type == "cpu" else torch.device("cuda", (device.index or 0) + rank)
 
 
-# --8<-- [start:run_worker]
+# --8<-- [start:load_rank]
 def load_rank(rank: int, port: int, config: EngineConfig, model_config: ModelConfig, path: Path,
               threads: int) -> Callable[[], None]:
     """In a worker process: join the ranks and load this rank's shard; then it serves the steps rank 0 sends."""
@@ -91,7 +91,7 @@ def serve(config: EngineConfig, model_config: ModelConfig, path: Path, tp: Tenso
     runner = ModelRunner(config, model_config, path, tp)
     tp.messages.barrier().wait()  # loaded: rank 0 sends no step before every rank can take it
     runner.serve()
-# --8<-- [end:run_worker]
+# --8<-- [end:load_rank]
 
 
 @dataclass(slots=True)

@@ -252,7 +252,6 @@ class CausalLM(nn.Module):
         """Copy every ``*.safetensors`` tensor in ``folder`` into the module of that name (q, k and v: qkv_proj).
         m8: only this rank's shard of each is read from the file."""
         load_checkpoint(folder, self.checkpoint_tensors(), self.config, copy=copy_shard)
-
     # --8<-- [end:load_weights]
 
     # --8<-- [start:checkpoint_tensors]

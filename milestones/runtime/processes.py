@@ -82,11 +82,14 @@ class WorkerProcesses:
         """Wait until every worker has sent ``message``; if one sends a traceback, dies or is silent for ``timeout``
         seconds, stop them all and raise what happened."""
         for number, (process, pipe) in enumerate(zip(self.processes, self.pipes), start=self.first):
+            heard = wait([pipe, process.sentinel], timeout)  # empty: silent for ``timeout`` seconds
             try:
-                got = pipe.recv() if wait([pipe, process.sentinel], timeout) and pipe.poll() else None
+                got = pipe.recv() if heard and pipe.poll() else None
             except EOFError:  # it died without a word
                 got = None
             if got != message:
+                if heard and got is None:
+                    process.join(1.0)  # it died: its pipe closes a moment before its exit code can be read
                 exitcode = process.exitcode  # before close() kills a silent one
                 self.close()
                 if got is not None:
@@ -121,7 +124,8 @@ class WorkerProcesses:
 
     def close(self) -> None:
         """Tell the workers to stop, give them ``STOP_TIMEOUT`` seconds, then kill any still running (at once if
-        ``broken``). Closing again does nothing."""
+        ``broken``). Closing again does nothing: the caller's thread count comes back only if the first close runs
+        in the thread that set the share (see below)."""
         if self.closed:
             return
         self.closed = True
