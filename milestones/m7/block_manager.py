@@ -1,11 +1,16 @@
-"""The KV pool's bookkeeping: which fixed-size block belongs to whom, now with reference counts.
+"""The KV pool's bookkeeping: which fixed-size block belongs to which request.
 
-Plain Python (no torch). As in m3, a request's *block table* lists its blocks in
-token order. With prefix caching a block can have several holders at once: the
-requests that use it and the radix tree that keeps it for later. Each block
-counts its holders and returns to the free list only when the count drops to 0.
-A block is then exactly one of: free, *in use* (in some request's table), or
-*cached* (held by the tree alone, and evictable).
+Plain Python (no torch), like an operating system's page allocator. The pool has
+``num_blocks`` blocks of ``block_size`` token slots each. A request's *block
+table* lists its blocks in order, so token ``p`` lives in block
+``table[p // block_size]`` at offset ``p % block_size``. Blocks are handed out one
+at a time as a request grows and all return to the free list when it finishes,
+is aborted, or is preempted: no request reserves memory it does not use.
+
+m4: with prefix caching a block can have several holders at once, the requests that use it and the radix tree
+that keeps it for later. Each block counts its holders and returns to the free list only when the count drops to
+0. A block is then exactly one of: free, *in use* (in some request's table), or *cached* (held by the tree alone,
+and evictable).
 """
 
 from __future__ import annotations
