@@ -36,6 +36,7 @@ NUM_EXAMPLES = int(os.environ.get("HOSTILE_EXAMPLES", "50"))
 MAX_MODEL_LEN = 64
 GOOD_PROMPTS = ["Once upon a time", "1, 2, 3,", "Hello, my name is", "The sea is", REFERENCE_PROMPT]
 UNKNOWN_ID = "never-added"
+THREAD_TIMEOUT = 300  # seconds for two generate calls that take turns: a few on an idle machine, far more when loaded
 
 VOCAB = 49152
 prompts = st.one_of(
@@ -121,6 +122,7 @@ class HostileCaller(RuleBasedStateMachine):
         super().__init__()
         self.engine = self.llm.engine
         self.live: dict[str, object] = {}  # request id -> its SamplingParams, for requests added with add_request
+        self.threads: list[threading.Thread] = []  # generate_from_two_threads' callers: none may outlive the case
         self.counts["cases"] += 1
 
     @initialize()
@@ -235,11 +237,13 @@ class HostileCaller(RuleBasedStateMachine):
                 errors.append(err)
 
         threads = [threading.Thread(target=call, args=item) for item in (("first", first), ("second", second))]
+        self.threads += threads
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(timeout=120)
-        assert not any(thread.is_alive() for thread in threads), "a generate call never returned"
+            thread.join(timeout=THREAD_TIMEOUT)
+        assert not any(thread.is_alive() for thread in threads), (
+            f"a generate call did not return within {THREAD_TIMEOUT} s (the calls take turns on the engine's lock)")
         assert not errors, errors
         self.forget_finished()
         for name, batch in (("first", first), ("second", second)):
@@ -250,6 +254,11 @@ class HostileCaller(RuleBasedStateMachine):
         self.engine.check_integrity()
 
     def teardown(self) -> None:
+        # A caller still running (its case failed while it waited for the lock) would add its requests after the
+        # aborts below, into the next case: the cause of a flake that found another case's requests in the engine.
+        for thread in self.threads:
+            thread.join(timeout=THREAD_TIMEOUT)
+        assert not any(thread.is_alive() for thread in self.threads), "a generate call never returned"
         for request_id in list(self.live):
             self.engine.abort_request(request_id)
         # Whatever this case did, the next one gets a clean engine: a request left behind here would fail the next
