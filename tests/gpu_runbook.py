@@ -18,7 +18,7 @@ python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the miles
 python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 against m5
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
 python3 -m tests.gpu_runbook tests OUT --group parallel  # m8 over NCCL: one rank; two on a machine with two GPUs
-python3 -m tests.gpu_runbook tests OUT --group attention  # batched attention, the Triton decode kernel
+python3 -m tests.gpu_runbook tests OUT --group attention  # batched attention, the Triton decode and fused kernels
 python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m5 and m5@eager; the small workload thrice
 python3 -m tests.gpu_runbook bench OUT --group host    # the engine's own work per step: a tiny model, batch 1-64
 python3 -m tests.gpu_runbook bench OUT --group 8b      # m6 against m6@sync on Llama-3.1-8B's shape (--layers N)
@@ -67,9 +67,9 @@ MIN_VERSIONS = {  # what the code and the tests need, and why
 OPTIONAL = {"llguidance": "structured output (milestones/*/structured_output.py)"}
 
 # The CUDA tests in groups of a few minutes each (pytest -k expressions over tests/cuda). The attention paths' tests
-# (batched attention, the Triton decode kernel) are a group of their own whatever else their names say; a group that
-# selects none is no failure.
-ATTENTION_TESTS = "batched_attention or triton_decode"
+# (batched attention, the Triton decode kernel, the fused Triton kernels) are a group of their own whatever else
+# their names say; a group that selects none is no failure.
+ATTENTION_TESTS = "batched_attention or triton_decode or triton_fused"
 TEST_GROUPS = {group: f"({expression}) and not ({ATTENTION_TESTS})" for group, expression in {
     "reference": "m1_matches_transformers or m1_in_bfloat16 or cuda_and_cpu_agree or defaults_on_a_gpu",
     "chain": "the_chain_holds",

@@ -346,6 +346,63 @@ def test_triton_decode_matches_paged_decode_attention_on_cuda(dtype, heads):
     print(f"\ntriton decode on cuda, {dtype}, heads {heads}: max error {worst:.2e} against paged_decode_attention")
 
 
+def test_triton_fused_kernels_match_the_lesson_on_cuda():
+    """The fused norm, activation and RoPE-with-KV-write kernels compiled for this GPU: the CPU tests' cases and
+    tolerance (tests/kernels/test_triton_fused.py: on CUDA, bfloat16 rounds to nearest, so the skip connection's
+    sum is exact), every dtype, head grouping and block size."""
+    from tests.kernels import test_triton_fused as fused
+
+    for dtype in fused.DTYPES:
+        for n in (576, 4096, 100):
+            for residual in (False, True):
+                fused.test_rms_norm_is_the_lesson_s_norm_of_the_skip_connection(dtype, n, residual)
+        for n in (1536, 14336, 100):
+            fused.test_silu_and_mul_is_the_lesson_s_activation(dtype, n)
+        for heads in fused.HEADS:
+            for block_size in fused.BLOCK_SIZES:
+                fused.test_rope_and_write_kv_rotates_as_the_lesson_and_writes_only_the_new_slots(dtype, heads,
+                                                                                                block_size)
+
+
+def test_triton_fused_kernels_in_a_cuda_graph_read_each_replay_s_positions_and_slots():
+    """Captured once, replayed with new inputs, positions and slots copied into the same buffers: each replay
+    writes the new slots and rotates by the new positions (the kernels read them on the device)."""
+    from milestones.kernels import triton_fused
+
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    n, heads, kv_heads, dim, block_size = 4, 9, 3, 64, 16
+    angles = torch.outer(torch.arange(64.0), torch.rand(dim // 2)).repeat(1, 2)
+    cos, sin = angles.cos().to(cuda), angles.sin().to(cuda)
+    x, q = torch.zeros(n, 576, device=cuda, dtype=dtype), torch.zeros(n, heads, dim, device=cuda, dtype=dtype)
+    k, v = (torch.zeros(n, kv_heads, dim, device=cuda, dtype=dtype) for _ in range(2))
+    positions, slots = (torch.zeros(n, dtype=torch.long, device=cuda) for _ in range(2))
+    weight = torch.ones(576, device=cuda, dtype=dtype)
+    pool_k, pool_v = (torch.zeros(10, kv_heads, block_size, dim, device=cuda, dtype=dtype) for _ in range(2))
+
+    def step():
+        normed, _ = triton_fused.rms_norm(x, weight, 1e-5)
+        return normed, triton_fused.rope_and_write_kv(q, k, v, cos, sin, positions, pool_k, pool_v, slots)
+
+    step()  # compiled before the capture, as the graph runner warms up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_norm, out_q = step()
+    for replay in range(3):
+        for buffer in (x, q, k, v):
+            buffer.copy_(torch.randn(buffer.shape, device=cuda))
+        positions.copy_(torch.randint(0, 64, (n,), device=cuda))
+        slots.copy_(torch.randperm(10 * block_size, device=cuda)[:n])
+        pool_k.zero_()
+        graph.replay()
+        expected_norm, expected_q = (t.clone() for t in step())
+        expected_k = pool_k.clone()
+        assert torch.equal(out_norm, expected_norm) and torch.equal(out_q, expected_q), f"replay {replay}"
+        pool_k.zero_()
+        graph.replay()
+        assert torch.equal(pool_k, expected_k), f"replay {replay} wrote other slots than an eager call"
+
+
 def test_triton_decode_in_a_cuda_graph_reads_the_lengths_and_tables_of_each_replay():
     """Captured once, replayed over new context lengths and tables written into the same buffers: each replay gives
     what the lesson's function gives on them (so the kernel reads them on the device, and captures without a sync)."""
