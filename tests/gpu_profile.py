@@ -2,9 +2,9 @@
 
 On a GPU a replayed decode step of the 135M shape takes 4-5 ms while its weights stream in 0.07 ms (issue 55): the
 time is the host's, and this says where, so that the work on it can be done on a CPU. For each row (m5; m6,
-overlapped; m6@sync, m5's loop in m6) and each scenario (decode at batch 1 and 8, replayed; mixed steps, each
-with a new request's prefill beside the other requests' decodes, eager), N steps run three times on one engine,
-each time on fresh requests past a warm-up:
+overlapped; m6@sync, m5's loop in m6; m6@fused, its layers fused) and each scenario (decode at batch 1 and 8,
+replayed; mixed steps, each with a new request's prefill beside the other requests' decodes, eager), N steps run
+three times on one engine, each time on fresh requests past a warm-up:
 
 1. timed alone: the wall time per step, and the CPU time of the calling thread, of m6's forward worker and of
    the whole process;
@@ -49,10 +49,18 @@ class Row:
     name: str
     milestone: str
     options: dict  # EngineConfig fields, explicit on both devices (m6 overlaps by default on CUDA only)
+    cuda_options: dict | None = None  # on CUDA, in their place
+
+    def options_for(self, device: str) -> dict:
+        return self.cuda_options if self.cuda_options is not None and device == "cuda" else self.options
 
 
+# m6@fused: each decode step's layers in about ten calls (kernels/fused_layers.py), on CUDA with the Triton kernels
+# (attention_backend="triton"): its kernels-per-layer census is the decode scenarios' -kernels.txt (issue 70).
 ROWS = {row.name: row for row in (Row("m5", "m5", {}), Row("m6", "m6", {"async_scheduling": True}),
-                                  Row("m6@sync", "m6", {"async_scheduling": False}))}
+                                  Row("m6@sync", "m6", {"async_scheduling": False}),
+                                  Row("m6@fused", "m6", {"async_scheduling": True, "fuse_layers": True},
+                                      {"async_scheduling": True, "attention_backend": "triton", "fuse_layers": True}))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +306,7 @@ def profile_row(row: Row, args: argparse.Namespace, sizes: Sizes, out: Path, don
     longest = max(sizes.prompt_len + sizes.warmup + sizes.steps + 4, sizes.mixed_prompt_len + sizes.mixed_output_len)
     llm = mod.LLM(model=str(args.model), device=args.device, seed=0, max_model_len=-(-longest // 16) * 16,
                   max_num_seqs=max(*sizes.batch_sizes, sizes.mixed_output_len + 1),
-                  enforce_eager=sizes.enforce_eager, **row.options)
+                  enforce_eager=sizes.enforce_eager, **row.options_for(args.device))
     driver = Driver(mod, llm.engine, sizes, random.Random(0), [])
     try:
         for scenario in scenarios(sizes):

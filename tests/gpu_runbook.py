@@ -11,7 +11,7 @@ python3 -m tests.gpu_runbook all OUT --budget 530 --pack PACKED.tar.gz  # every 
 # --8<-- [end:all]
 # --8<-- [start:steps]
 python3 -m tests.gpu_runbook preflight OUT             # GPU, versions, the model: refuses early, says why
-python3 -m tests.gpu_runbook profile OUT               # m5, m6, m6@sync: host functions, device busy time per step
+python3 -m tests.gpu_runbook profile OUT               # m5, m6, m6@sync, m6@fused: host, device time a step
 python3 -m tests.gpu_runbook sdpa OUT                  # prefill attention cold, warm, in a new thread; cuDNN on, off
 python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transformers, defaults
 python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
@@ -19,7 +19,7 @@ python3 -m tests.gpu_runbook tests OUT --group graphs  # m5 against m4, m6 again
 python3 -m tests.gpu_runbook tests OUT --group speculative  # m7 against m6, the model as its own draft
 python3 -m tests.gpu_runbook tests OUT --group parallel  # m8 over NCCL: one rank; two on a machine with two GPUs
 python3 -m tests.gpu_runbook tests OUT --group attention  # batched attention, the Triton decode and fused kernels
-python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m5 and m5@eager; the small workload thrice
+python3 -m tests.gpu_runbook bench OUT --group graphs  # m6@sync, m6, m6@triton (fused), m5, m5@eager; small thrice
 python3 -m tests.gpu_runbook bench OUT --group host    # the engine's own work per step: a tiny model, batch 1-64
 python3 -m tests.gpu_runbook bench OUT --group 8b      # m6 against m6@sync on Llama-3.1-8B's shape (--layers N)
 python3 -m tests.gpu_runbook bench OUT --group hf      # m6 against transformers, in one run
@@ -104,7 +104,7 @@ SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--ou
 # short. Set from the third run (H200, 2026-11-28, ``--budget 545``: 370 s in all): profile 58 s, the tests 62 s side
 # by side, graphs 45, 8b 62, hf 35, speculative 33, eager 22; the diagnostic was stopped at its 20 s share and took
 # about 35 s alone. They add up to 550 s, so a full run ends in about 400 s and leaves a 15-minute loan room to rerun.
-PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 70, 45, 75
+PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 85, 45, 75  # profile: +15 s for m6@fused (not yet run on a GPU)
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 EIGHT_B_LAYERS = 32  # the whole of Llama-3.1-8B: 16 GB a step, 3.3 ms on an H200 and 4.9 on an H100, like the host's
 BENCH_GROUPS = {  # in ``all``'s order
@@ -112,8 +112,10 @@ BENCH_GROUPS = {  # in ``all``'s order
     # that whatever the first engine of a process pays falls on a baseline. Three passes of the small workload (the
     # first on the row's loaded engine, the others each on a new one): in the H200 run its one pass ran 4-5x faster
     # in the last row than in the first three, and three say whether a first pass pays once.
-    "graphs": BenchGroup("m6@sync,m6,m5,m5@eager", "decode,batch,small",
-                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 80),
+    # m6@triton: the Triton decode kernel, and with it each decode step's layers fused (issue 70).
+    "graphs": BenchGroup("m6@sync,m6,m6@triton,m5,m5@eager", "decode,batch,small",
+                         ("--batch-sizes", "4,8", "--max-num-seqs", "64", "--mixed-runs", "3", *SHORTER), 95,
+                         cpu_engines="m6@sync,m6,m6@fused+eager,m5,m5@eager"),
     # The engine's own work per step (issue 55's host-time row): a tiny checkpoint, so a step is almost all host time;
     # m1 at batch 1 only. Each row loads, captures three sizes and times 64 steps each: seconds on a GPU.
     "host": BenchGroup("m1,m5,m6@sync,m6", "host", ("--host-batch-sizes", "1,8,64", "--host-steps", "64"), 30,

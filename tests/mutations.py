@@ -71,10 +71,10 @@ CATALOGUE = (
         "kernels-m1-kernel-reads-before-the-write", "milestones/kernels/attention_backends.py",
         "        k_cache.index_copy_(0, ctx.slot_mapping, k)  # as the reference writes them\n"
         "        v_cache.index_copy_(0, ctx.slot_mapping, v)\n"
-        "        return self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables, "
-        "rows.context_lens,\n                           q.shape[-1] ** -0.5)\n",
-        "        out = self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables, rows.context_lens,\n"
-        "                          q.shape[-1] ** -0.5)\n"
+        "        return self.kernel(q, *self.pools(ctx, layer), rows.block_tables, rows.context_lens, "
+        "q.shape[-1] ** -0.5)\n",
+        "        out = self.kernel(q, *self.pools(ctx, layer), rows.block_tables, rows.context_lens, "
+        "q.shape[-1] ** -0.5)\n"
         "        k_cache.index_copy_(0, ctx.slot_mapping, k)  # as the reference writes them\n"
         "        v_cache.index_copy_(0, ctx.slot_mapping, v)\n"
         "        return out\n",
@@ -84,11 +84,26 @@ CATALOGUE = (
     ),
     Mutation(
         "kernels-m1-kernel-given-the-cache-without-blocks", "milestones/kernels/attention_backends.py",
-        "        return self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables,",
-        "        return self.kernel(q, k_cache, v_cache, rows.block_tables,",
+        "        return ctx.k_cache[layer][:, :, None], ctx.v_cache[layer][:, :, None]",
+        "        return ctx.k_cache[layer], ctx.v_cache[layer]",
         ("tests/kernels/test_decode_attention.py::test_m1_hands_a_decode_step_to_the_kernel_with_its_cache_as_blocks_of_"
          "one_row",),
         "m1's caches handed to the compiled kernel as they are, [rows, kv_heads, dim]: it reads blocks of one row",
+    ),
+    Mutation(
+        "kernels-fused-layer-attends-before-the-write", "milestones/kernels/fused_layers.py",
+        "        q = ops.rope_and_write_kv(q, k, v, cos[:, 0], sin[:, 0], pool_k, pool_v, rows.slots)\n"
+        "        out = self.attention.kernel(q, pool_k, pool_v, rows.block_tables, rows.context_lens, plan.scale)\n",
+        "        out = self.attention.kernel(q, pool_k, pool_v, rows.block_tables, rows.context_lens, plan.scale)\n"
+        "        q = ops.rope_and_write_kv(q, k, v, cos[:, 0], sin[:, 0], pool_k, pool_v, rows.slots)\n",
+        ("tests/kernels/test_fused_layers.py::test_fused_layers_give_the_unfused_engine_s_outputs_bit_for_bit",),
+        "a fused layer attends before RoPE and the KV write: the new token misses itself, and q is not rotated",
+    ),
+    Mutation(
+        "kernels-fused-rope-turns-the-wrong-way", "milestones/kernels/rope.cpp",
+        "b = round_to<T>(-hi * static_cast<float>(sin[i]))", "b = round_to<T>(hi * static_cast<float>(sin[i]))",
+        ("tests/kernels/test_fused_layers.py::test_the_cpu_ops_are_the_lesson_s_operators_bit_for_bit",),
+        "the compiled RoPE forgets rotate_half's minus: each pair turns by minus its angle in the first half",
     ),
     Mutation(
         "m1-rope-positions-on-the-default-device", "milestones/m1/model.py",

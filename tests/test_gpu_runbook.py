@@ -167,8 +167,8 @@ def test_the_profile_writes_every_scenario_of_every_row(all_run):
         own, cumulative = found["functions"]["own"], found["functions"]["cumulative"]
         assert len(own) == len(cumulative) == 40
         assert any("milestones/m" in f["function"] and "engine.py" in f["function"] for f in cumulative)
-        # Only m6 with overlap has a forward worker thread, whose CPU time is measured apart.
-        assert (found["timing"]["worker_thread_cpu"] is not None) == (row == "m6")
+        # Only m6 with overlap (and fused) has a forward worker thread, whose CPU time is measured apart.
+        assert (found["timing"]["worker_thread_cpu"] is not None) == (row in ("m6", "m6@fused"))
         assert "top 40 by own time" in (folder / f"{stem}.txt").read_text()
 
 

@@ -28,6 +28,8 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "linear-torch": ("linear_backend", "torch"),
     "linear-onednn": ("linear_backend", "onednn"),
     "linear-cpp": ("linear_backend", "cpp"),  # the compiled panel kernel, float32 or bfloat16
+    "unfused": ("fuse_layers", False),  # every layer as the lesson writes it (the default fuses decode steps' layers)
+    "fused": ("fuse_layers", True),  # insist: an error where the layers cannot fuse
     "eager": ("enforce_eager", True),  # m5 on: never replay a captured decode step
     "sync": ("async_scheduling", False),  # m6: m5's loop, no overlap (the default on a CPU)
     "async": ("async_scheduling", True),  # m6: overlap (the default on CUDA)

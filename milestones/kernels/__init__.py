@@ -1,4 +1,4 @@
-"""Platform speed-ups that are no lesson: the milestones opt in through two engine switches.
+"""Platform speed-ups that are no lesson: the milestones opt in through four engine switches.
 
 * ``attention_backend`` (every milestone): decode attention for every decoding request
   of a step in one compiled CPU call (``decode_attention.cpp``), registered as the torch
@@ -10,6 +10,9 @@
 * ``linear_backend`` (every milestone): linear layers through a compiled kernel over
   weights packed in panels (``panel_linear.cpp``), or with weights packed once for
   oneDNN (``packed_linear.py``); "torch" keeps plain ``F.linear``.
+* ``fuse_layers`` (every milestone): in a step of decode rows that a decode kernel takes, each decoder layer in
+  about ten calls (``fused_layers.py``: the norms with the skip connection's add, RoPE with the KV write, the
+  kernel, the products), on a CPU with the compiled norms, on CUDA in Triton; "auto" where it applies.
 * ``quantization`` (every milestone): "gguf" keeps the bundled file's 4-bit (Q4_1) and 8-bit (Q8_0) blocks, "int8"
   makes 8-bit weights at load time (``quantized.py``, the blocks in ``quant_blocks.py``); a compiled kernel
   (``quant_linear.cpp``, called by ``quant_linear.py``) makes them float32 in registers as it multiplies. CPU and
@@ -28,6 +31,7 @@ from .attention_backends import AttentionBackend, attention_backend_for
 from .batched_attention import BatchedAttention, RaggedBatch, batched_attention_for
 from .decode_attention import DTYPES as ATTENTION_DTYPES
 from .decode_attention import TRITON_DTYPES, DecodeKernel, decode_kernel_for, kv_cache_zeros, load_decode_kernel
+from .fused_layers import FusedDecoderLayer, check_fuse_layers, fuse_layers_for
 from .linear_layers import pack_linear_layers_for, swap_linear_layers
 from .packed_linear import PackedLinear, onednn_available
 from .panel_linear import DTYPES as PANEL_DTYPES
@@ -40,10 +44,11 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpp", "batched", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn", "cpp")  # auto: cpp, else oneDNN, else torch
 
 __all__ = [
-    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "AttentionBackend", "BatchedAttention", "DecodeKernel", "PackedLinear",
-    "PanelLinear", "QUANTIZATIONS", "RaggedBatch", "attention_backend_for", "batched_attention_for",
-    "check_attention_backend", "check_linear_backend", "check_platform", "check_quantization", "decode_kernel_for",
-    "kv_cache_zeros", "load_decode_kernel", "onednn_available", "pack_linear_layers_for", "swap_linear_layers",
+    "ATTENTION_BACKENDS", "LINEAR_BACKENDS", "AttentionBackend", "BatchedAttention", "DecodeKernel",
+    "FusedDecoderLayer", "PackedLinear", "PanelLinear", "QUANTIZATIONS", "RaggedBatch", "attention_backend_for",
+    "batched_attention_for", "check_attention_backend", "check_fuse_layers", "check_linear_backend", "check_platform",
+    "check_quantization", "decode_kernel_for", "fuse_layers_for", "kv_cache_zeros", "load_decode_kernel",
+    "onednn_available", "pack_linear_layers_for", "swap_linear_layers",
 ]
 
 def check_platform(config, device: torch.device, dtype: torch.dtype) -> None:
@@ -51,6 +56,7 @@ def check_platform(config, device: torch.device, dtype: torch.dtype) -> None:
     check_linear_backend(config.linear_backend, device, dtype)
     check_quantization(config.quantization, device, dtype, config.linear_backend)
     check_attention_backend(config.attention_backend, device, dtype)
+    check_fuse_layers(config.fuse_layers, device, dtype)
 
 
 def check_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> None:

@@ -50,6 +50,9 @@ class DecodeRows:
     rows: torch.Tensor | None  # [d]: the row of each request's token in the flat batch (m1: None, its one row)
     block_tables: torch.Tensor  # [d, max_blocks]: padded past each context (never read there)
     context_lens: torch.Tensor  # [d]
+    # [d]: where each row's new key goes in ``pools`` (block * block_size + offset), given when the rows are every row
+    # of the step, in order: then a fused layer may write the keys and values itself (fused_layers.py)
+    slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -80,6 +83,14 @@ class CacheLayout:
             return ctx.k_cache[layer], ctx.v_cache[layer]
         return ctx.k_cache[layer].transpose(0, 1), ctx.v_cache[layer].transpose(0, 1)
 
+    def slots(self, ctx: Any, spans: list) -> torch.Tensor:
+        """Each span's new key's slot in ``pools`` (spans of one token: m3 on, the step's own slot mapping)."""
+        if self.name == "paged":
+            return ctx.slot_mapping
+        max_len = ctx.k_cache[0].shape[2]  # m2: a slot is a block of max_model_len positions
+        return to_device([span.kv_slot * max_len + span.context_len - 1 for span in spans], torch.long,
+                         ctx.k_cache[0].device)
+
     def keep(self, ctx: Any, spans: list) -> None:
         """Leave only ``spans`` to the reference (m3 on: and only their blocks to its gather)."""
         ctx.requests = spans
@@ -101,13 +112,15 @@ class DecodeKernelAttention:
     layout: CacheLayout
 
     def prepare_metadata(self, ctx: Any) -> None:
-        fixed = getattr(ctx, "decodes", None)  # m5 on: a captured step's rows, laid out by the lesson
+        fixed = getattr(ctx, "decodes", None)  # m5 on: a captured step's rows (every row), laid out by the lesson
         if fixed is not None:
-            ctx.metadata, ctx.decodes = DecodeRows(fixed.rows, fixed.block_tables, fixed.context_lens), None
+            ctx.metadata = DecodeRows(fixed.rows, fixed.block_tables, fixed.context_lens, ctx.slot_mapping)
+            ctx.decodes = None
             return
         decodes = [span for span in ctx.requests if span.end - span.start == 1]
         if not decodes:
             return
+        every_row = len(decodes) == len(ctx.requests)  # spans follow each other: the rows are 0, 1, 2, ...
         self.layout.keep(ctx, [span for span in ctx.requests if span.end - span.start > 1])
         tables = [self.layout.table(span) for span in decodes]
         width = max(len(table) for table in tables)
@@ -115,7 +128,11 @@ class DecodeKernelAttention:
         ctx.metadata = DecodeRows(to_device([span.start for span in decodes], torch.long, device),
                                   to_device([table + [0] * (width - len(table)) for table in tables], torch.long,
                                             device),
-                                  to_device([span.context_len for span in decodes], torch.long, device))
+                                  to_device([span.context_len for span in decodes], torch.long, device),
+                                  self.layout.slots(ctx, decodes) if every_row else None)
+
+    def pools(self, ctx: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layout.pools(ctx, layer)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: Any) -> torch.Tensor:
         out = self.reference(q, k, v, layer, ctx)  # every key and value written; the requests left to it attended
@@ -171,7 +188,11 @@ class ContiguousDecodeKernel:
     def prepare_metadata(self, ctx: Any) -> None:
         if ctx.slot_mapping.numel() == 1:
             lens = to_device([ctx.context_len], torch.long, self.block_table.device)
-            ctx.metadata = DecodeRows(None, self.block_table[:, : ctx.context_len], lens)
+            ctx.metadata = DecodeRows(None, self.block_table[:, : ctx.context_len], lens, ctx.slot_mapping)
+
+    def pools(self, ctx: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's rows as blocks of one position: [max_model_len, kv_heads, 1, dim] (views)."""
+        return ctx.k_cache[layer][:, :, None], ctx.v_cache[layer][:, :, None]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, ctx: Any) -> torch.Tensor:
         if (rows := ctx.metadata) is None:
@@ -179,8 +200,7 @@ class ContiguousDecodeKernel:
         k_cache, v_cache = ctx.k_cache[layer], ctx.v_cache[layer]
         k_cache.index_copy_(0, ctx.slot_mapping, k)  # as the reference writes them
         v_cache.index_copy_(0, ctx.slot_mapping, v)
-        return self.kernel(q, k_cache[:, :, None], v_cache[:, :, None], rows.block_tables, rows.context_lens,
-                           q.shape[-1] ** -0.5)
+        return self.kernel(q, *self.pools(ctx, layer), rows.block_tables, rows.context_lens, q.shape[-1] ** -0.5)
 
 
 def attention_backend_for(config: Any, heads: Any, reference: Attention, layout: str) -> AttentionBackend:

@@ -30,6 +30,8 @@ def load_rms_norm() -> None:
 @functools.cache
 def _register_shape() -> None:
     torch.library.register_fake("milestones::rms_norm", lambda x, weight, eps: torch.empty_like(x))
+    torch.library.register_fake("milestones::add_rms_norm",
+                                lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
 
 
 # --8<-- [start:fused_rms_norm]

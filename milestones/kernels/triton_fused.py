@@ -9,13 +9,14 @@ same arithmetic in one launch each, one program a row (a token):
 * ``rms_norm(x, weight, eps, residual=None)``: with a residual, ``residual + x`` first (the layer's skip
   connection) and both results back: the sum, which the next skip connection adds to, and its norm;
 * ``silu_and_mul(gate, up)``: ``silu(gate) * up``, the MLP's activation between its products;
-* ``rope_and_write_kv(q, k, v, cos, sin, positions, pool_k, pool_v, slot_mapping)``: q and k rotated (RoPE),
-  q returned, k and v written to their slots in the paged cache, where attention reads them.
+* ``rope_and_write_kv(q, k, v, cos, sin, pool_k, pool_v, slots)``: q and k rotated (RoPE), q returned, k and v
+  written to their slots in the paged cache, where attention reads them.
 
 Each rounds where the lesson's operators round, so in bfloat16 and float16 they differ from the lesson only
 where a float32 sum in another order lands on the other side of a rounding (the norm's mean of squares): held
 within a unit in the last place by ``tests/kernels/test_triton_fused.py``. Imported only where it runs, as
 ``triton_decode.py`` is (``TRITON_INTERPRET=1``, read at import, runs them on CPU tensors for the tests).
+``fused_layers.py`` calls them (``rope.cpp`` and ``rms_norm.cpp`` are the CPU's).
 """
 
 from __future__ import annotations
@@ -109,30 +110,25 @@ def _rotate(x, row, head, half, x_row, x_head, cos_lo, cos_hi, sin_lo, sin_hi, H
 
 
 @triton.jit
-def _rope_and_write_kv_kernel(q, k, v, cos, sin, positions, pool_k, pool_v, slot_mapping, q_out,
-                              q_row, q_head, k_row, k_head, v_row, v_head, table_row,
+def _rope_and_write_kv_kernel(q, k, v, cos, sin, pool_k, pool_v, slots, q_out,
+                              q_row, q_head, k_row, k_head, v_row, v_head, cos_row, sin_row,
                               k_block, k_kv_head, k_pos, v_block, v_kv_head, v_pos, out_row, out_head,
                               num_heads, num_kv_heads, half, block_size,
                               HALF: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions + row).to(tl.int64)
     dims = tl.arange(0, HALF)
     inside = dims < half
-    # The lesson's tables hold cat([angles, angles]): the two halves' cos (and sin) are equal. Rounded to the
-    # model's dtype first, as ``RotaryEmbedding.forward`` hands them to the layers.
-    angle = cos + position * table_row + dims
-    dtype = q.dtype.element_ty
-    cos_lo = tl.load(angle, mask=inside, other=0.0).to(dtype).to(tl.float32)
-    cos_hi = tl.load(angle + half, mask=inside, other=0.0).to(dtype).to(tl.float32)
-    angle = sin + position * table_row + dims
-    sin_lo = tl.load(angle, mask=inside, other=0.0).to(dtype).to(tl.float32)
-    sin_hi = tl.load(angle + half, mask=inside, other=0.0).to(dtype).to(tl.float32)
+    # This token's angles, as ``RotaryEmbedding.forward`` hands them to every layer: already in the model's dtype.
+    cos_lo = tl.load(cos + row * cos_row + dims, mask=inside, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos + row * cos_row + half + dims, mask=inside, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin + row * sin_row + dims, mask=inside, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin + row * sin_row + half + dims, mask=inside, other=0.0).to(tl.float32)
     for head in range(num_heads):
         lo, hi, dims, inside = _rotate(q, row, head, half, q_row, q_head, cos_lo, cos_hi, sin_lo, sin_hi, HALF)
         at = q_out + row * out_row + head * out_head + dims
         tl.store(at, lo, mask=inside)
         tl.store(at + half, hi, mask=inside)
-    slot = tl.load(slot_mapping + row).to(tl.int64)
+    slot = tl.load(slots + row).to(tl.int64)
     block, offset = slot // block_size, slot % block_size
     for head in range(num_kv_heads):
         lo, hi, dims, inside = _rotate(k, row, head, half, k_row, k_head, cos_lo, cos_hi, sin_lo, sin_hi, HALF)
@@ -147,30 +143,32 @@ def _rope_and_write_kv_kernel(q, k, v, cos, sin, positions, pool_k, pool_v, slot
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      positions: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+                      pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q rotated (returned, a new [n, heads, dim] tensor); k rotated and v written to the cache at their slots.
 
     q: [n, heads, dim]; k, v: [n, kv_heads, dim] (views of one qkv product will do: each head's numbers
-    contiguous); cos, sin: the lesson's float32 tables, [max_positions, dim]; positions, slot_mapping: [n];
-    pool_k, pool_v: [blocks, kv_heads, block_size, dim], any strides but a contiguous last dimension (the
-    milestones' caches, seen as the decode kernel sees them). A slot is block * block_size + offset.
+    contiguous); cos, sin: [n, dim], each token's angles in q's dtype (the lesson's ``RotaryEmbedding`` output);
+    slots: [n]; pool_k, pool_v: [blocks, kv_heads, block_size, dim], any strides but a contiguous last dimension
+    (the milestones' caches, seen as the decode kernel sees them). A slot is block * block_size + offset (not
+    checked here: that would read them back to the host).
     """
     n, num_heads, dim = q.shape
     _, num_kv_heads, block_size, _ = pool_k.shape
-    if dim % 2 or k.shape != (n, num_kv_heads, dim) or v.shape != k.shape:
-        raise ValueError(f"q [n, heads, dim] with an even dim and k, v [n, kv_heads, dim] matching the pool's "
-                         f"{num_kv_heads} kv heads; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if len({q.dtype, k.dtype, v.dtype, pool_k.dtype, pool_v.dtype}) != 1:
-        raise ValueError("q, k, v and the cache must share a dtype")
+    if dim % 2 or k.shape != (n, num_kv_heads, dim) or v.shape != k.shape or cos.shape != (n, dim) or \
+            sin.shape != cos.shape:
+        raise ValueError(f"q [n, heads, dim] with an even dim, k, v [n, kv_heads, dim] matching the pool's "
+                         f"{num_kv_heads} kv heads, cos and sin [n, dim]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}, {tuple(cos.shape)}")
+    if len({q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, pool_k.dtype, pool_v.dtype}) != 1:
+        raise ValueError("q, k, v, cos, sin and the cache must share a dtype")
     if any(t.stride(-1) != 1 for t in (q, k, v, pool_k, pool_v, cos, sin)):
-        raise ValueError("each head's dim numbers must be contiguous in q, k, v, the cache and the tables")
+        raise ValueError("each head's dim numbers must be contiguous in q, k, v, the cache and the angles")
     out = torch.empty((n, num_heads, dim), dtype=q.dtype, device=q.device)
     if n:
         _rope_and_write_kv_kernel[(n,)](
-            q, k, v, cos, sin, positions, pool_k, pool_v, slot_mapping, out,
+            q, k, v, cos, sin, pool_k, pool_v, slots, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1),
+            sin.stride(0), pool_k.stride(0), pool_k.stride(1), pool_k.stride(2), pool_v.stride(0), pool_v.stride(1),
             pool_v.stride(2), out.stride(0), out.stride(1),
             num_heads, num_kv_heads, dim // 2, block_size,
             HALF=triton.next_power_of_2(dim // 2),

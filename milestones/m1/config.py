@@ -21,6 +21,7 @@ class EngineConfig:
     quantization: str | None = None  # "gguf": the bundled file's 4-bit blocks kept; "int8": made at load; CPU
     attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
     #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
+    fuse_layers: bool | str = "auto"  # a decode step's layers in a few compiled calls each (kernels.fused_layers)
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from milestones.kernels import attention_backend_for, kv_cache_zeros, pack_linear_layers_for
+from milestones.kernels import attention_backend_for, fuse_layers_for, kv_cache_zeros, pack_linear_layers_for
 from milestones.kernels.cpu_graphs import cpp_compiler_available
 from milestones.serving.logits_processors import LogitsProcessors
 from milestones.transfer import to_device
@@ -70,6 +70,7 @@ class ModelRunner:
         # decoding request, on CUDA every request in one call (milestones/kernels/attention_backends.py)
         self.attention = attention_backend_for(config, model_config, attention, "paged")
         self.model.use_attention(self.attention.forward)
+        fuse_layers_for(config, self.model, self.attention)  # a platform speed-up: decode steps' layers fused
         self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
         self.num_eager_steps = 0
 

@@ -25,6 +25,7 @@ class EngineConfig:
     quantization: str | None = None  # "gguf": the bundled file's 4-bit blocks kept; "int8": made at load; CPU
     attention_backend: str = "auto"  # "torch": the reference; "cpp": compiled CPU decodes (fp32/bf16); "batched": one
     #                                  call for every request of a step; "auto": cpp on a CPU, batched on CUDA
+    fuse_layers: bool | str = "auto"  # a decode step's layers in a few compiled calls each (kernels.fused_layers)
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
     block_size: int = 16  # tokens per KV block

@@ -364,24 +364,23 @@ def test_triton_fused_kernels_match_the_lesson_on_cuda():
                                                                                                 block_size)
 
 
-def test_triton_fused_kernels_in_a_cuda_graph_read_each_replay_s_positions_and_slots():
-    """Captured once, replayed with new inputs, positions and slots copied into the same buffers: each replay
-    writes the new slots and rotates by the new positions (the kernels read them on the device)."""
+def test_triton_fused_kernels_in_a_cuda_graph_read_each_replay_s_angles_and_slots():
+    """Captured once, replayed with new inputs, angles and slots copied into the same buffers: each replay
+    writes the new slots and rotates by the new angles (the kernels read them on the device)."""
     from milestones.kernels import triton_fused
 
     cuda, dtype = torch.device("cuda"), torch.bfloat16
     n, heads, kv_heads, dim, block_size = 4, 9, 3, 64, 16
-    angles = torch.outer(torch.arange(64.0), torch.rand(dim // 2)).repeat(1, 2)
-    cos, sin = angles.cos().to(cuda), angles.sin().to(cuda)
+    cos, sin = (torch.zeros(n, dim, device=cuda, dtype=dtype) for _ in range(2))
     x, q = torch.zeros(n, 576, device=cuda, dtype=dtype), torch.zeros(n, heads, dim, device=cuda, dtype=dtype)
     k, v = (torch.zeros(n, kv_heads, dim, device=cuda, dtype=dtype) for _ in range(2))
-    positions, slots = (torch.zeros(n, dtype=torch.long, device=cuda) for _ in range(2))
+    slots = torch.zeros(n, dtype=torch.long, device=cuda)
     weight = torch.ones(576, device=cuda, dtype=dtype)
     pool_k, pool_v = (torch.zeros(10, kv_heads, block_size, dim, device=cuda, dtype=dtype) for _ in range(2))
 
     def step():
         normed, _ = triton_fused.rms_norm(x, weight, 1e-5)
-        return normed, triton_fused.rope_and_write_kv(q, k, v, cos, sin, positions, pool_k, pool_v, slots)
+        return normed, triton_fused.rope_and_write_kv(q, k, v, cos, sin, pool_k, pool_v, slots)
 
     step()  # compiled before the capture, as the graph runner warms up
     torch.cuda.synchronize()
@@ -391,7 +390,9 @@ def test_triton_fused_kernels_in_a_cuda_graph_read_each_replay_s_positions_and_s
     for replay in range(3):
         for buffer in (x, q, k, v):
             buffer.copy_(torch.randn(buffer.shape, device=cuda))
-        positions.copy_(torch.randint(0, 64, (n,), device=cuda))
+        angles = torch.rand(n, dim // 2, device=cuda).repeat(1, 2) * 50
+        cos.copy_(angles.cos())
+        sin.copy_(angles.sin())
         slots.copy_(torch.randperm(10 * block_size, device=cuda)[:n])
         pool_k.zero_()
         graph.replay()

@@ -110,12 +110,11 @@ def test_rope_and_write_kv_rotates_as_the_lesson_and_writes_only_the_new_slots(d
     # The engine's layer layout, [kv_heads, blocks, block_size, dim], seen as [blocks, kv_heads, block_size, dim].
     k_cache, v_cache = (torch.full((num_kv_heads, num_blocks, block_size, dim), float("nan"), dtype=dtype,
                                    device=DEVICE) for _ in range(2))
-    cos, sin = rope.cos.to(DEVICE), rope.sin.to(DEVICE)
-    found_q = triton_fused.rope_and_write_kv(q, k, v, cos, sin, positions, k_cache.transpose(0, 1),
+    lesson_cos, lesson_sin = rope.to(DEVICE)(positions, dtype)  # [n, 1, dim]: what every layer gets
+    found_q = triton_fused.rope_and_write_kv(q, k, v, lesson_cos[:, 0], lesson_sin[:, 0], k_cache.transpose(0, 1),
                                              v_cache.transpose(0, 1), slots)
-    lesson_cos, lesson_sin = rope.to(DEVICE)(positions, dtype)
     expected_q, expected_k = apply_rope(q, lesson_cos, lesson_sin), apply_rope(k, lesson_cos, lesson_sin)
-    # Three roundings (two products, their sum) on the terms' magnitude, and the tables' own to the dtype.
+    # Three roundings (two products, their sum) on the terms' magnitude, and one to spare.
     both = torch.cat([q, k], 1).float()
     terms = both.abs() * lesson_cos.float().abs() + rotate_half(both).abs() * lesson_sin.float().abs()
     assert_close(found_q, expected_q, "the rotated queries", 4, terms[:, :num_heads])
@@ -140,9 +139,8 @@ def test_the_kernels_refuse_what_they_cannot_address():
         triton_fused.silu_and_mul(x, x[:, :32])
     pool = torch.zeros(2, 2, 16, 8, device=DEVICE)
     q, k = torch.randn(1, 4, 8, device=DEVICE), torch.randn(1, 2, 8, device=DEVICE)
+    angles, slots = torch.ones(1, 8, device=DEVICE), torch.zeros(1, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="kv heads"):
-        triton_fused.rope_and_write_kv(q, k[:, :1], k[:, :1], torch.ones(4, 8), torch.ones(4, 8),
-                                       torch.zeros(1, dtype=torch.long), pool, pool, torch.zeros(1, dtype=torch.long))
+        triton_fused.rope_and_write_kv(q, k[:, :1], k[:, :1], angles, angles, pool, pool, slots)
     with pytest.raises(ValueError, match="share a dtype"):
-        triton_fused.rope_and_write_kv(q, k.half(), k, torch.ones(4, 8), torch.ones(4, 8),
-                                       torch.zeros(1, dtype=torch.long), pool, pool, torch.zeros(1, dtype=torch.long))
+        triton_fused.rope_and_write_kv(q, k.half(), k, angles, angles, pool, pool, slots)
