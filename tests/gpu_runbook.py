@@ -103,7 +103,8 @@ SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--ou
 # overlap can pay, the comparison with transformers, speculation, and the eager rows, which have no target, last and
 # short. Set from the third run (H200, 2026-11-28, ``--budget 545``: 370 s in all): profile 58 s, the tests 62 s side
 # by side, graphs 45, 8b 62, hf 35, speculative 33, eager 22; the diagnostic was stopped at its 20 s share and took
-# about 35 s alone. They add up to 550 s, so a full run ends in about 400 s and leaves a 15-minute loan room to rerun.
+# about 35 s alone. They add up to 580 s (m6@fused and m6@triton: +30), so a full run ends in about 430 s and
+# leaves a 15-minute loan room to rerun.
 PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 85, 45, 75  # profile: +15 s for m6@fused (not yet run on a GPU)
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 EIGHT_B_LAYERS = 32  # the whole of Llama-3.1-8B: 16 GB a step, 3.3 ms on an H200 and 4.9 on an H100, like the host's

@@ -672,17 +672,19 @@ CATALOGUE = (
     ),
     Mutation(
         "q4_1-kernel-nibble-order", "milestones/kernels/quant_linear.cpp",
-        "nibbles(q + j * PANEL, w0, w1);",
-        "nibbles(q + j * PANEL, w1, w0);",
-        ("tests/kernels/test_quant_linear.py::test_outputs_are_panel_linear_s_over_the_de_quantized_weights_bit_for_bit",),
+        "nibbles(q + j * PANEL, q0, q1);",
+        "nibbles(q + j * PANEL, q1, q0);",
+        ("tests/kernels/test_quant_linear.py::test_outputs_are_the_product_with_the_de_quantized_weights_within_the_"
+         "factored_sum_s_bound",),
         "the kernel takes a byte's high 4 bits for the first k of the pair and the low 4 for the second",
     ),
     Mutation(
-        "q4_1-kernel-minimum-dropped", "milestones/kernels/quant_linear.cpp",
-        "    w0 = d * w0 + m;",
-        "    w0 = d * w0;",
-        ("tests/kernels/test_quant_linear.py::test_outputs_are_panel_linear_s_over_the_de_quantized_weights_bit_for_bit",),
-        "a Q4_1 weight is made as d * q, forgetting the block's minimum (it is d * q + m)",
+        "q4_1-kernel-minimum-not-times-the-sum", "milestones/kernels/quant_linear.cpp",
+        "    sum += m * x_sum;",
+        "    sum += m;",
+        ("tests/kernels/test_quant_linear.py::test_outputs_are_the_product_with_the_de_quantized_weights_within_the_"
+         "factored_sum_s_bound",),
+        "the block's minimum added once, not once for each of its weights: m * sum(x) is sum(m * x)",
     ),
     Mutation(
         "q4_1-packing-nibble-order", "milestones/kernels/quant_blocks.py",

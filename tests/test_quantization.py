@@ -1,8 +1,9 @@
-"""``LLM(quantization=...)`` in every milestone: the bundled file's blocks give the float32 engine's outputs exactly.
+"""``LLM(quantization=...)`` in every milestone: the bundled file's blocks give the float32 engine's tokens.
 
-Q4_1 and Q8_0 de-quantize exactly to the float32 weights the chain runs on, and the kernel sums in the float32
-kernel's order (tests/kernels/test_quant_linear.py), so with ``quantization="gguf"`` the bundled model's tokens and
-log-probabilities are the float32 engine's on the chain's mixed workload, with no tolerance (atol=0). int8 is an
+Q4_1 and Q8_0 de-quantize exactly to the float32 weights the chain runs on, and the kernel sums each block in the
+factored form llama.cpp uses (tests/kernels/test_quant_linear.py), which rounds otherwise than the float32 product:
+so with ``quantization="gguf"`` the bundled model's tokens are the float32 engine's on the chain's mixed workload,
+and its log-probabilities are within the chain's tolerance (LOGPROB_ATOL; the largest gap is printed). int8 is an
 approximation (per-channel, made at load time): its agreement with float32 is measured on the benchmarks page; here
 it must swap every linear layer, keep the engine's bookkeeping sound and stay close on the tiny model.
 """
@@ -16,11 +17,20 @@ from torch import nn
 from milestones import m1, m6, m8
 from milestones.kernels.quant_linear import QuantEmbedding, QuantLinear, QuantMLP
 from milestones.kernels.quantized import weight_bytes
-from tests.chain import LIMITS, LOGPROB_ATOL, assert_same_outputs, mixed_workload, run
+from tests.chain import LIMITS, LOGPROB_ATOL, Completion, assert_same_outputs, mixed_workload, run
 from tests.conftest import needs_compiler
 
 pytestmark = needs_compiler
 MiB = 2**20
+
+
+def logprob_pairs(got, want):
+    """The (ours, reference) log-probability of every token both rows scored, outputs' and prompts' alike."""
+    got, want = Completion(*got), Completion(*want)
+    for ours, theirs in zip([*(got.logprobs or []), *(got.prompt_logprobs or [])],
+                            [*(want.logprobs or []), *(want.prompt_logprobs or [])]):
+        for token in set(ours or {}) & set(theirs or {}):
+            yield ours[token].logprob, theirs[token].logprob
 
 
 def limits(mod) -> dict:
@@ -75,16 +85,18 @@ def test_a_quantization_that_cannot_run_is_refused_before_loading(tiny_model_pat
 @pytest.mark.parametrize("mod", [m1, m6], ids=["m1", "m6-captured"])
 def test_gguf_gives_the_float32_engine_s_tokens_and_logprobs(mod, bundled_model_path):
     """The bundled model, float32 against its own Q4_1/Q8_0 blocks, on the chain's mixed workload (greedy, seeded,
-    penalties, structured output, logprobs of outputs and prompts): the same tokens, and in m1 (eager) the same
-    log-probabilities to the last bit (atol=0). m6's decode steps replay the captured step (torch.compile on a CPU,
-    two requests at most, so that every decode is captured), with the kernel's op inside it; there the graph
-    inductor compiles differs (the embedding lookup is arithmetic, which it fuses with its neighbours), so its
-    log-probabilities are held to the chain's tolerance instead (LOGPROB_ATOL: measured 6.2e-6 apart)."""
+    penalties, structured output, logprobs of outputs and prompts): the same tokens, and log-probabilities within
+    the chain's tolerance (LOGPROB_ATOL), in m1 (eager) and in m6, whose decode steps replay the captured step
+    (torch.compile on a CPU, two requests at most, so that every decode is captured) with the kernel's op inside."""
     options = dict(limits(mod), max_num_seqs=2, cudagraph_capture_sizes=[1, 2]) if mod is m6 else limits(mod)
     prompts, settings = mixed_workload(8, seed=11, max_prompt=60, max_output=24)
     reference = run(mod, mod.LLM(bundled_model_path, **options), prompts, settings)
     llm = mod.LLM(bundled_model_path, quantization="gguf", **options)
-    assert_same_outputs(run(mod, llm, prompts, settings), reference, settings, atol=0 if mod is m1 else LOGPROB_ATOL)
+    outputs = run(mod, llm, prompts, settings)
+    gaps = [abs(a - b) for got, want in zip(outputs, reference) for a, b in logprob_pairs(got, want)]
+    print(f"\n{mod.__name__} gguf against float32: largest log-probability gap {max(gaps, default=0):.2e} "
+          f"over {len(gaps)} (tolerance {LOGPROB_ATOL})")
+    assert_same_outputs(outputs, reference, settings, atol=LOGPROB_ATOL)
     model = llm.engine.runner.model
     assert quantized_layers(model)[0] == 0 and isinstance(model.model.embed_tokens, QuantEmbedding)
     resident = weight_bytes(model)

@@ -3,25 +3,22 @@
 // its ops milestones::quant_linear and milestones::quant_silu_mul).
 //
 // A decode step at batch 1 reads every weight once, so it runs at the speed of memory; a weight of 4 or 8 bits is a
-// fraction of a float32's 32, and the step reads that fraction of the bytes. The price is arithmetic: each weight
-// is turned back into a float32 in registers, as it is used, and never stored as one. Three formats:
-//
-//   Q4_1 (GGUF): 32 weights share a scale d and a minimum m (float16 each); weight = d * q + m, q in 0..15 (4 bits).
-//   Q8_0 (GGUF): 32 weights share a scale d (float16); weight = d * q, q in -128..127 (8 bits).
-//   int8 (made at load time): one scale per output column; y = scale * (x . q), q in -127..127.
-//
+// fraction of a float32's 32, and the step reads that fraction of the bytes. The price is arithmetic: the small
+// integers are turned into float32 in registers, as they are used, and never stored as floats. Three formats:
 // Like panel_linear.cpp, the weight comes packed in panels of 16 output columns, so that for each k the 16 weights
 // of a panel are side by side: a block of 32 k of a panel holds its 16 columns' scales (and minimums), then the
 // 32 x 16 integers. Q4_1 keeps two k in a byte: the byte of column c for the pair of k (2j, 2j + 1) holds k = 2j in
 // its low 4 bits and 2j + 1 in its high 4 bits, so one load and a widening give 16 bytes as 16 integers, a mask
 // gives k = 2j's 16 weights and a shift k = 2j + 1's.
 //
-// In Q4_1 and Q8_0, d * q needs at most 19 bits of mantissa, so it is exact in float32, and d * q + m rounds once:
-// the weight made in a register is exactly the float32 weight transformers makes when it de-quantizes the file (the
-// chain's weights). The kernel then sums x[k] * w[k] in order of k, one fused multiply-add each, as panel_linear's
-// float32 path does: its outputs are panel_linear's over the de-quantized weights, bit for bit, whatever the batch
-// (batch invariant), and the tiles, threads and the vector width (AVX-512, AVX2) change nothing. Built without
-// -ffast-math, which would reorder the sums.
+// The weights the file stands for are d * q + m (Q8_0: d * q), exactly the float32 weights transformers makes when
+// it de-quantizes the file (the chain's weights), but the kernel never makes them: a block's share of x . w is
+// d * (x . q) + m * sum(x) over the block's 32 k (Q8_0: d * (x . q)), the factored form llama.cpp uses, so each
+// weight costs one fused multiply-add instead of two. That rounds otherwise than x . (d * q + m): the outputs are
+// within float32's summation bound of the exact product, not panel_linear's over the de-quantized weights bit for
+// bit (tests/kernels/test_quant_linear.py), and the chain's tokens agree (tests/test_quantization.py). The order is
+// fixed: within a block in order of k, the blocks in order, the same in every tile, thread and vector width
+// (AVX-512, AVX2), so a row's outputs do not depend on its batch. Built without -ffast-math, which would reorder.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -114,7 +111,9 @@ inline floatx16 signed_bytes(const uint8_t* p) {
 // --8<-- [end:widen]
 
 // --8<-- [start:blocks]
-// One block of 32 k of one panel, made into float32 weights a pair of k at a time: w0 for k = 2j, w1 for 2j + 1.
+// One block of 32 k of one panel: its integers as float32, a pair of k at a time (q0 for k = 2j, q1 for 2j + 1, exact),
+// and what turns a block's sum of x * q into its share of x . w (`finish`): d * sum + m * sum(x) for Q4_1, d * sum for
+// Q8_0, the sum itself for int8 (whose scale is the column's, applied at the end).
 template <Format F>
 struct Block;
 
@@ -125,10 +124,10 @@ struct Block<Format::Q4_1> {
   const uint8_t* q;
   Block() = default;
   explicit Block(const uint8_t* block) : d(load_halves(block)), m(load_halves(block + 2 * PANEL)), q(block + 4 * PANEL) {}
-  void pair(int64_t j, floatx16& w0, floatx16& w1) const {
-    nibbles(q + j * PANEL, w0, w1);
-    w0 = d * w0 + m;  // d * q is exact, so this rounds once, fused or not
-    w1 = d * w1 + m;
+  void pair(int64_t j, floatx16& q0, floatx16& q1) const { nibbles(q + j * PANEL, q0, q1); }
+  void finish(floatx16& sum, const floatx16& dot, float x_sum) const {
+    sum += d * dot;
+    sum += m * x_sum;
   }
 };
 
@@ -139,10 +138,11 @@ struct Block<Format::Q8_0> {
   const uint8_t* q;
   Block() = default;
   explicit Block(const uint8_t* block) : d(load_halves(block)), q(block + 2 * PANEL) {}
-  void pair(int64_t j, floatx16& w0, floatx16& w1) const {
-    w0 = d * signed_bytes(q + 2 * j * PANEL);  // exact
-    w1 = d * signed_bytes(q + (2 * j + 1) * PANEL);
+  void pair(int64_t j, floatx16& q0, floatx16& q1) const {
+    q0 = signed_bytes(q + 2 * j * PANEL);
+    q1 = signed_bytes(q + (2 * j + 1) * PANEL);
   }
+  void finish(floatx16& sum, const floatx16& dot, float) const { sum += d * dot; }
 };
 
 template <>
@@ -151,10 +151,11 @@ struct Block<Format::INT8> {
   const uint8_t* q;
   Block() = default;
   explicit Block(const uint8_t* block) : q(block) {}
-  void pair(int64_t j, floatx16& w0, floatx16& w1) const {
-    w0 = signed_bytes(q + 2 * j * PANEL);
-    w1 = signed_bytes(q + (2 * j + 1) * PANEL);
+  void pair(int64_t j, floatx16& q0, floatx16& q1) const {
+    q0 = signed_bytes(q + 2 * j * PANEL);
+    q1 = signed_bytes(q + (2 * j + 1) * PANEL);
   }
+  void finish(floatx16& sum, const floatx16& dot, float) const { sum += dot; }
 };
 // --8<-- [end:blocks]
 
@@ -176,25 +177,31 @@ void store_tile(const floatx16 (&sums)[ROWS][PANELS], float* out, int64_t out_st
 
 // --8<-- [start:tile]
 // out[r][0:cols] for ROWS rows of x (k floats each) against PANELS consecutive packed panels (panel_stride bytes
-// apart), the weights made in registers block by block. Every sum goes in order of k, one fused multiply-add a k.
+// apart). Block by block: the sum of x * q in order of k (one fused multiply-add a k, on the integers as they are),
+// then the block's scale and minimum once (`finish`, with the block's sum of x from x_sums). So a Q4_1 weight costs
+// one multiply-add, not two (d * q + m, then x * w): x . w = d (x . q) + m sum(x), the factored form llama.cpp uses.
 template <Format F, int ROWS, int PANELS>
-void multiply_tile(const float* x, int64_t k, const uint8_t* panels, int64_t panel_stride, float* out,
-                   int64_t out_stride, int64_t cols, const float* scale, const float* bias) {
+void multiply_tile(const float* x, const float* x_sums, int64_t k, const uint8_t* panels, int64_t panel_stride,
+                   float* out, int64_t out_stride, int64_t cols, const float* scale, const float* bias) {
   floatx16 sums[ROWS][PANELS] = {};
-  for (int64_t b = 0; b < k / BLOCK; ++b) {
+  const int64_t num_blocks = k / BLOCK;
+  for (int64_t b = 0; b < num_blocks; ++b) {
     Block<F> blocks[PANELS];
     for (int p = 0; p < PANELS; ++p) blocks[p] = Block<F>(panels + p * panel_stride + b * Block<F>::BYTES);
+    floatx16 dots[ROWS][PANELS] = {};
     for (int64_t j = 0; j < BLOCK / 2; ++j) {
       const int64_t i = b * BLOCK + 2 * j;
       for (int p = 0; p < PANELS; ++p) {  // a single row: several panels, so that several sums are under way
-        floatx16 w0, w1;
-        blocks[p].pair(j, w0, w1);
+        floatx16 q0, q1;
+        blocks[p].pair(j, q0, q1);
         for (int r = 0; r < ROWS; ++r) {
-          sums[r][p] += x[r * k + i] * w0;
-          sums[r][p] += x[r * k + i + 1] * w1;
+          dots[r][p] += x[r * k + i] * q0;
+          dots[r][p] += x[r * k + i + 1] * q1;
         }
       }
     }
+    for (int p = 0; p < PANELS; ++p)
+      for (int r = 0; r < ROWS; ++r) blocks[p].finish(sums[r][p], dots[r][p], x_sums[r * num_blocks + b]);
   }
   store_tile<ROWS, PANELS>(sums, out, out_stride, cols, scale, bias);
 }
@@ -202,33 +209,41 @@ void multiply_tile(const float* x, int64_t k, const uint8_t* panels, int64_t pan
 
 // multiply_tile<F, rows, 1> for a number of rows known only at run time (1 to TILE_ROWS).
 template <Format F, int ROWS = TILE_ROWS>
-void multiply_rows(const float* x, int64_t rows, int64_t k, const uint8_t* panel, float* out, int64_t n,
-                   int64_t cols, const float* scale, const float* bias) {
+void multiply_rows(const float* x, const float* x_sums, int64_t rows, int64_t k, const uint8_t* panel, float* out,
+                   int64_t n, int64_t cols, const float* scale, const float* bias) {
   if constexpr (ROWS > 1)
-    if (rows < ROWS) return multiply_rows<F, ROWS - 1>(x, rows, k, panel, out, n, cols, scale, bias);
-  multiply_tile<F, ROWS, 1>(x, k, panel, 0, out, n, cols, scale, bias);
+    if (rows < ROWS) return multiply_rows<F, ROWS - 1>(x, x_sums, rows, k, panel, out, n, cols, scale, bias);
+  multiply_tile<F, ROWS, 1>(x, x_sums, k, panel, 0, out, n, cols, scale, bias);
 }
 
-// Many rows: one panel's weights made into float32 once ([k, 16], `widened`), then read by every tile of rows, in
-// the same order of k. Making a weight costs a few instructions; each of the m rows then costs one.
-template <int ROWS>
-void multiply_widened(const float* x, int64_t k, const float* widened, float* out, int64_t out_stride,
-                      int64_t cols, const float* scale, const float* bias) {
+// Many rows: one panel's integers made into float32 once ([k, 16], `widened`), then read by every tile of rows, in
+// the same order and with the same finish a block as multiply_tile, so a row's outputs do not depend on its batch.
+template <Format F, int ROWS>
+void multiply_widened(const float* x, const float* x_sums, int64_t k, const uint8_t* panel, const float* widened,
+                      float* out, int64_t out_stride, int64_t cols, const float* scale, const float* bias) {
   floatx16 sums[ROWS][1] = {};
-  for (int64_t i = 0; i < k; ++i) {
-    floatx16 w;
-    std::memcpy(&w, widened + i * PANEL, sizeof w);
-    for (int r = 0; r < ROWS; ++r) sums[r][0] += x[r * k + i] * w;
+  const int64_t num_blocks = k / BLOCK;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const Block<F> block(panel + b * Block<F>::BYTES);
+    floatx16 dots[ROWS] = {};
+    for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i) {
+      floatx16 q;
+      std::memcpy(&q, widened + i * PANEL, sizeof q);
+      for (int r = 0; r < ROWS; ++r) dots[r] += x[r * k + i] * q;
+    }
+    for (int r = 0; r < ROWS; ++r) block.finish(sums[r][0], dots[r], x_sums[r * num_blocks + b]);
   }
   store_tile<ROWS, 1>(sums, out, out_stride, cols, scale, bias);
 }
 
-template <int ROWS = TILE_ROWS>
-void multiply_widened_rows(const float* x, int64_t rows, int64_t k, const float* widened, float* out, int64_t n,
-                           int64_t cols, const float* scale, const float* bias) {
+template <Format F, int ROWS = TILE_ROWS>
+void multiply_widened_rows(const float* x, const float* x_sums, int64_t rows, int64_t k, const uint8_t* panel,
+                           const float* widened, float* out, int64_t n, int64_t cols, const float* scale,
+                           const float* bias) {
   if constexpr (ROWS > 1)
-    if (rows < ROWS) return multiply_widened_rows<ROWS - 1>(x, rows, k, widened, out, n, cols, scale, bias);
-  multiply_widened<ROWS>(x, k, widened, out, n, cols, scale, bias);
+    if (rows < ROWS)
+      return multiply_widened_rows<F, ROWS - 1>(x, x_sums, rows, k, panel, widened, out, n, cols, scale, bias);
+  multiply_widened<F, ROWS>(x, x_sums, k, panel, widened, out, n, cols, scale, bias);
 }
 
 template <Format F>
@@ -236,39 +251,56 @@ void widen_panel(const uint8_t* panel, int64_t k, float* widened) {
   for (int64_t b = 0; b < k / BLOCK; ++b) {
     const Block<F> block(panel + b * Block<F>::BYTES);
     for (int64_t j = 0; j < BLOCK / 2; ++j) {
-      floatx16 w0, w1;
-      block.pair(j, w0, w1);
-      std::memcpy(widened + (b * BLOCK + 2 * j) * PANEL, &w0, sizeof w0);
-      std::memcpy(widened + (b * BLOCK + 2 * j + 1) * PANEL, &w1, sizeof w1);
+      floatx16 q0, q1;
+      block.pair(j, q0, q1);
+      std::memcpy(widened + (b * BLOCK + 2 * j) * PANEL, &q0, sizeof q0);
+      std::memcpy(widened + (b * BLOCK + 2 * j + 1) * PANEL, &q1, sizeof q1);
     }
   }
 }
 
+// Each row's sum of x over each block of 32 k, in order of k: Q4_1's minimum multiplies it (x_sums[r][b]).
+std::vector<float> block_sums(const float* x, int64_t m, int64_t k) {
+  std::vector<float> sums(m * (k / BLOCK));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < k / BLOCK; ++b) {
+      float sum = 0.0f;
+      for (int64_t i = b * BLOCK; i < (b + 1) * BLOCK; ++i) sum += x[r * k + i];
+      sums[r * (k / BLOCK) + b] = sum;
+    }
+  return sums;
+}
+
 // --8<-- [start:multiply]
 // out = x W^T (x: m rows of k), the panels shared out among the threads: a single row four panels at a time, up to
-// TILE_ROWS rows one tile a panel, more rows over each panel made into float32 once.
+// TILE_ROWS rows one tile a panel, more rows over each panel's integers made into float32 once.
 template <Format F>
 void multiply(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t panels, float* out, int64_t n,
               const float* scale, const float* bias) {
   const int64_t stride = k / BLOCK * Block<F>::BYTES;
+  const std::vector<float> sums = F == Format::Q4_1 ? block_sums(x, m, k) : std::vector<float>(m * (k / BLOCK));
+  const float* x_sums = sums.data();
+  const int64_t row_sums = k / BLOCK;  // x_sums of one row
   const auto cols = [&](int64_t panel, int64_t count) { return std::min(n - panel * PANEL, count * PANEL); };
   const auto at = [](const float* v, int64_t panel) { return v ? v + panel * PANEL : nullptr; };
   at::parallel_for(0, panels, 1, [&](int64_t first_panel, int64_t end_panel) {
     int64_t p = first_panel;
     if (m == 1)
       for (; p + 4 <= end_panel; p += 4)
-        multiply_tile<F, 1, 4>(x, k, w + p * stride, stride, out + p * PANEL, n, cols(p, 4), at(scale, p), at(bias, p));
+        multiply_tile<F, 1, 4>(x, x_sums, k, w + p * stride, stride, out + p * PANEL, n, cols(p, 4), at(scale, p),
+                               at(bias, p));
     if (m <= TILE_ROWS) {
       for (; p < end_panel; ++p)
-        multiply_rows<F>(x, m, k, w + p * stride, out + p * PANEL, n, cols(p, 1), at(scale, p), at(bias, p));
+        multiply_rows<F>(x, x_sums, m, k, w + p * stride, out + p * PANEL, n, cols(p, 1), at(scale, p), at(bias, p));
       return;
     }
     std::vector<float> widened(k * PANEL);
     for (; p < end_panel; ++p) {
       widen_panel<F>(w + p * stride, k, widened.data());
       for (int64_t r = 0; r < m; r += TILE_ROWS)
-        multiply_widened_rows(x + r * k, std::min<int64_t>(TILE_ROWS, m - r), k, widened.data(),
-                              out + r * n + p * PANEL, n, cols(p, 1), at(scale, p), at(bias, p));
+        multiply_widened_rows<F>(x + r * k, x_sums + r * row_sums, std::min<int64_t>(TILE_ROWS, m - r), k,
+                                 w + p * stride, widened.data(), out + r * n + p * PANEL, n, cols(p, 1),
+                                 at(scale, p), at(bias, p));
     }
   });
 }

@@ -1,10 +1,10 @@
 """The layers that run the compiled quantized kernel (``quant_linear.cpp``): the CPU path of ``quantization``.
 
-The kernel reads a layer's blocks (``quant_blocks.py``) and makes each weight a float32 in registers as it is
-used, so no float32 copy of a quantized weight is stored. ``d * q`` is exact in float32, so each Q4_1 or Q8_0
-weight is exactly the float32 number that transformers makes when it de-quantizes the file, the weights the chain
-runs on; the kernel sums in panel_linear's order, so the logits are the float32 engine's, bit for bit. An int8
-column's sum is multiplied by its scale once, at the end.
+The kernel reads a layer's blocks (``quant_blocks.py``) and makes their integers float32 in registers as it uses
+them, so no float32 copy of a quantized weight is stored. A block's share of each output is summed in the factored
+form llama.cpp uses, ``d * (x . q) + m * sum(x)``: one multiply-add a weight, and outputs within float32's summation
+bound of the product with the de-quantized weights (the chain's), in an order that does not depend on the batch.
+An int8 column's sum is multiplied by its scale once, at the end.
 """
 
 from __future__ import annotations
