@@ -7,8 +7,8 @@ continuation is scored token by token, as lm-eval's loglikelihood requests do. F
 * log-likelihood shift: the mean |change| of a continuation's summed log-probability from float32's;
 * accuracy on the capitals (the choice with the highest log-likelihood).
 
-float32 is m1 on the float32 weights (transformers' de-quantization of the bundled file). ``gguf`` should agree
-exactly (its weights are those); int8 is made from the float32 weights at load time; llama.cpp's Q8_0 is made from
+float32 is m1 on the float32 weights (transformers' de-quantization of the bundled file). ``gguf`` multiplies by
+those very weights, summing a block as ``d * (x . q) + m * sum(x)``, so it agrees within float32's rounding; int8 is made from the float32 weights at load time; llama.cpp's Q8_0 is made from
 them too (examples/bench), and its Q4_1 is the bundled file itself, run with llama.cpp's own arithmetic (which
 quantizes the activations to 8 bits). llama.cpp's rows need llama-cpp-python (``pip install -e ".[llama-cpp]"``).
 
@@ -100,7 +100,9 @@ def main() -> None:
     except ImportError as error:
         print(f"(llama.cpp rows skipped: {error})")
     positions = sum(len(c) for _, c, _, _ in reqs)
-    print(f"{len(reqs)} loglikelihood requests, {positions} scored tokens; against m1 float32:")
+    longest = max(len(c) for _, c, _, _ in reqs)
+    print(f"{len(reqs)} loglikelihood requests, {positions} scored tokens (the longest continuation {longest}); "
+          "against m1 float32:")
     print(f"{'engine':<16} {'top-1':>7}   {'mean |dLL|':>10}   {'max |dLL|':>10}   capitals")
     for name, scored in rows:
         print(summary(name, scored, reference, reqs))

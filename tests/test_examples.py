@@ -24,6 +24,7 @@ import torch
 from milestones import MILESTONES, m2
 from milestones.kernels import onednn_available
 from tests.conftest import HAS_KERNEL_TOOLCHAIN, needs_compiler
+from tests.chain import LOGPROB_ATOL
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -787,9 +788,14 @@ def test_tensor_parallel_costs_measure_each_rank_count(tiny_model_path, tmp_path
 
 
 @pytest.mark.real_model
-def test_quantization_quality_finds_gguf_exact_and_int8_close():
-    """The bundled model's own blocks agree with float32 everywhere (no shift at all); int8 mostly agrees."""
+def test_quantization_quality_finds_gguf_within_float32_rounding_and_int8_close():
+    """The bundled model's own blocks pick float32's token everywhere, each scored token's log-probability within the
+    chain's tolerance (LOGPROB_ATOL), so a continuation's sum within its tokens' count of it; int8 mostly agrees."""
     out = run_script("examples/quantization_quality.py", timeout=600).stdout
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("m1", "llama.cpp"))}
-    assert rows["m1@gguf"][1:4] == ["100.0%", "0.00e+00", "0.00e+00"], out
+    longest = int(re.search(r"the longest continuation (\d+)", out).group(1))
+    top1, mean_shift, max_shift = rows["m1@gguf"][1:4]
+    assert top1 == "100.0%", out
+    assert float(mean_shift) <= LOGPROB_ATOL and float(max_shift) <= longest * LOGPROB_ATOL, (
+        f"gguf moved a log-likelihood by up to {max_shift} (tolerance {longest} x {LOGPROB_ATOL}):\n{out}")
     assert float(rows["m1@int8"][1].rstrip("%")) > 90, out
