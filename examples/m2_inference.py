@@ -91,7 +91,8 @@ def engine_kwargs(args) -> dict:
     """LLM keyword arguments for the engine options the user set (the rest keep the engine's defaults)."""
     kwargs = {"seed": args.seed, "max_model_len": args.max_model_len}
     for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                 "enable_prefix_caching", "scheduling_policy", "enforce_eager", "cudagraph_capture_sizes"):
+                 "enable_prefix_caching", "scheduling_policy", "enforce_eager", "cudagraph_capture_sizes",
+                 "piecewise_capture_sizes"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "kv_cache_memory_mb", None) is not None:

@@ -6,14 +6,16 @@ Run from the repository root:
     python examples/m5_inference.py --compare                        # then again eagerly, in the same process
     python examples/m5_inference.py --enforce-eager                  # no capture: every step as in m4
     python examples/m5_inference.py --cudagraph-capture-sizes 1,2    # capture only these batch sizes
+    python examples/m5_inference.py --piecewise-capture-sizes 64,512 # CUDA: steps with prefill, these token counts
 
 A step in which every running request decodes one token, and whose batch fits a
 captured size, is not run operator by operator: its inputs are copied into static
 buffers and the captured step is replayed (a CUDA graph on a GPU; on a CPU, code that
 torch.compile generated for that batch size). A batch is padded up to the smallest
-captured size that holds it. Steps with a prompt chunk in them, and batches larger than
-the largest captured size, run eagerly, as in m4. With greedy sampling the text must
-not change.
+captured size that holds it. On CUDA a step with a prompt chunk in it is replayed in
+pieces, everything but attention, padded to a captured token count; on a CPU it runs
+eagerly, as in m4, and so does every step too large for any capture. The summary says
+why each eager step was eager. With greedy sampling the text must not change.
 
 On a CPU each captured size is a compilation of about a minute on two cores the first
 time; torch.compile keeps what it built on disk, so the next start-up is quicker.
@@ -58,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--cudagraph-capture-sizes", type=batch_sizes, default=None, metavar="N,N,...",
                    help="decode batch sizes to capture, each at most --max-num-seqs (default: the engine's: 1, 2, 4, "
                         "8, then every 16 on CUDA; 1 and 4 on a CPU, where each size is a compilation)")
+    g.add_argument("--piecewise-capture-sizes", type=batch_sizes, default=None, metavar="N,N,...",
+                   help="token counts steps with prefill are captured in pieces for, each at most "
+                        "--max-num-batched-tokens (CUDA only; default: 8 to 128 in powers of two, then every 256)")
     g.add_argument("--compare", action="store_true",
                    help="run the same requests again with the other setting (eager, or captured), then compare")
     return p.parse_args(argv)
@@ -96,8 +101,10 @@ def run(LLM, SamplingParams, args, enforce_eager: bool, show: int) -> dict:
           f"{fmt_seconds(stats['capture_seconds'])} of it capturing)")
     print(f"  output tokens:     {num_out} ({num_out / wall_s:.1f} tokens/s)")
     print(f"  decode speed:      {decode:.1f} tokens/s per request (mean over requests, first token to last)")
-    print(f"  engine steps:      {steps}: {stats['replays']} replayed, {stats['eager_steps']} eager "
-          "(a prompt chunk in the step, a batch above the largest captured size, or no capture)")
+    print(f"  engine steps:      {steps}: {stats['replays']} replayed, {stats['piecewise_replays']} replayed in "
+          f"pieces, {stats['eager_steps']} eager")
+    for reason, count in stats["eager_reasons"].items():
+        print(f"    eager, {count:>4}:  {reason}")
     print(f"  padded rows:       {stats['padded_rows']} (rows added to reach a captured size; they write only "
           "the scratch block)")
     result = {"eager": enforce_eager, "wall_s": wall_s, "tokens_per_s": num_out / wall_s, "decode": decode,

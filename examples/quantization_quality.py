@@ -8,9 +8,10 @@ continuation is scored token by token, as lm-eval's loglikelihood requests do. F
 * accuracy on the capitals (the choice with the highest log-likelihood).
 
 float32 is m1 on the float32 weights (transformers' de-quantization of the bundled file). ``gguf`` multiplies by
-those very weights, summing a block as ``d * (x . q) + m * sum(x)``, so it agrees within float32's rounding; int8 is made from the float32 weights at load time; llama.cpp's Q8_0 is made from
-them too (examples/bench), and its Q4_1 is the bundled file itself, run with llama.cpp's own arithmetic (which
-quantizes the activations to 8 bits). llama.cpp's rows need llama-cpp-python (``pip install -e ".[llama-cpp]"``).
+those very weights, summing a block as ``d * (x . q) + m * sum(x)``, so it agrees within float32's rounding; int8
+is made from the float32 weights at load time; llama.cpp's Q8_0 is made from them too (examples/bench), and its
+Q4_1 is the bundled file itself, run with llama.cpp's own arithmetic (which quantizes the activations to 8 bits).
+llama.cpp's rows need llama-cpp-python (``pip install -e ".[llama-cpp]"``).
 
     python examples/quantization_quality.py
 """

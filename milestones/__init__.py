@@ -25,8 +25,10 @@ CHANGED_FILES: dict[str, set[str]] = {
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, a request's
     # n samples sharing its prompt
     "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py"},
-    # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention
-    "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py"},
+    # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention;
+    # every step dispatched (whole, in pieces cut at attention, or eagerly with a reason)
+    "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py",
+           "dispatcher.py", "piecewise.py"},
     # overlap scheduling: a forward worker, future ids resolved on the device, the one-step lag, a trace
     "m6": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "engine.py", "sampler.py",
            "sequence.py", "scheduler.py", "worker.py", "future_map.py", "step.py", "rollback.py"},

@@ -2,8 +2,9 @@
 
 On a GPU a replayed decode step of the 135M shape takes 4-5 ms while its weights stream in 0.07 ms (issue 55): the
 time is the host's, and this says where, so that the work on it can be done on a CPU. For each row (m5; m6,
-overlapped; m6@sync, m5's loop in m6; m6@fused, its layers fused) and each scenario (decode at batch 1 and 8,
-replayed; mixed steps, each with a new request's prefill beside the other requests' decodes, eager), N steps run
+overlapped; m6@sync, m5's loop in m6; m6@fused, its layers fused; m6@no-pieces, its steps with prefill eager) and
+each scenario (decode at batch 1 and 8, replayed whole; mixed steps, each with a new request's prefill beside the
+other requests' decodes, replayed in pieces on CUDA, eager on a CPU and in m6@no-pieces), N steps run
 three times on one engine, each time on fresh requests past a warm-up:
 
 1. timed alone: the wall time per step, and the CPU time of the calling thread, of m6's forward worker and of
@@ -57,10 +58,12 @@ class Row:
 
 # m6@fused: each decode step's layers in about ten calls (kernels/fused_layers.py), on CUDA with the Triton kernels
 # (attention_backend="triton"): its kernels-per-layer census is the decode scenarios' -kernels.txt (issue 70).
+# m6@no-pieces: steps with prefill eager, as before m5 captured them in pieces: the mixed scenario's other side.
 ROWS = {row.name: row for row in (Row("m5", "m5", {}), Row("m6", "m6", {"async_scheduling": True}),
                                   Row("m6@sync", "m6", {"async_scheduling": False}),
                                   Row("m6@fused", "m6", {"async_scheduling": True, "fuse_layers": True},
-                                      {"async_scheduling": True, "attention_backend": "triton", "fuse_layers": True}))}
+                                      {"async_scheduling": True, "attention_backend": "triton", "fuse_layers": True}),
+                                  Row("m6@no-pieces", "m6", {"async_scheduling": True, "piecewise_capture_sizes": []}))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,7 @@ class ScenarioProfile:
     scenario: str
     steps: int
     timing: Timing
-    graphs: dict[str, int]  # over the timed pass: steps replayed, steps run eagerly, padding rows
+    graphs: dict[str, int]  # over the timed pass: steps replayed whole, in pieces, run eagerly; padding rows
     device: DeviceTime | None
     functions: dict[str, list[FunctionTime]]  # "cumulative" and "own": the top TOP by each
 
@@ -141,11 +144,11 @@ class ScenarioProfile:
         share = "-" if d is None else f"{d.share_of_wall:.0%}"
         return (f"{self.row:<9}{self.scenario:<10}{t.wall_mean:>9.2f}{t.wall_median:>9.2f}{t.host_thread_cpu:>9.2f}"
                 f"{worker:>9}{t.process_cpu:>9.2f}{device:>10}{share:>7}{self.graphs['replays']:>8}"
-                f"{self.graphs['eager_steps']:>7}")
+                f"{self.graphs['piecewise_replays']:>7}{self.graphs['eager_steps']:>7}")
 
 
 SUMMARY_HEADER = (f"{'row':<9}{'scenario':<10}{'wall ms':>9}{'median':>9}{'host cpu':>9}{'worker':>9}{'process':>9}"
-                  f"{'device ms':>10}{'busy':>7}{'replays':>8}{'eager':>7}")
+                  f"{'device ms':>10}{'busy':>7}{'replays':>8}{'pieces':>7}{'eager':>7}")
 
 
 def scenarios(sizes: Sizes) -> list[Scenario]:
@@ -203,6 +206,9 @@ def worker_clock(engine: object) -> Callable[[], float] | None:
     return lambda: time.clock_gettime(clock)
 
 
+COUNTERS = ("replays", "piecewise_replays", "eager_steps", "padded_rows", "padded_tokens")  # graph_stats' counts
+
+
 def timed(engine: object, step: Callable[[], object], steps: int) -> tuple[Timing, dict[str, int]]:
     before = engine.graph_stats()
     worker = worker_clock(engine)
@@ -217,7 +223,7 @@ def timed(engine: object, step: Callable[[], object], steps: int) -> tuple[Timin
                     (time.thread_time() - host) * per_step, (worker() - worker_start) * per_step if worker else None,
                     (time.process_time() - process) * per_step)
     after = engine.graph_stats()
-    return timing, {key: after[key] - before[key] for key in ("replays", "eager_steps", "padded_rows")}
+    return timing, {key: after[key] - before[key] for key in COUNTERS}
 
 
 def short_path(path: str) -> str:

@@ -11,7 +11,7 @@ python3 -m tests.gpu_runbook all OUT --budget 530 --pack PACKED.tar.gz  # every 
 # --8<-- [end:all]
 # --8<-- [start:steps]
 python3 -m tests.gpu_runbook preflight OUT             # GPU, versions, the model: refuses early, says why
-python3 -m tests.gpu_runbook profile OUT               # m5, m6, m6@sync, m6@fused: host, device time a step
+python3 -m tests.gpu_runbook profile OUT               # m5, m6, m6@sync, m6@fused, m6@no-pieces: time a step
 python3 -m tests.gpu_runbook sdpa OUT                  # prefill attention cold, warm, in a new thread; cuDNN on, off
 python3 -m tests.gpu_runbook tests OUT --group reference  # m1 against transformers, defaults
 python3 -m tests.gpu_runbook tests OUT --group chain   # m2-m4 against the milestone before, float32
@@ -103,9 +103,10 @@ SHORTER = ("--decode-tokens", "64", "--runs", "2", "--num-requests", "32", "--ou
 # overlap can pay, the comparison with transformers, speculation, and the eager rows, which have no target, last and
 # short. Set from the third run (H200, 2026-11-28, ``--budget 545``: 370 s in all): profile 58 s, the tests 62 s side
 # by side, graphs 45, 8b 62, hf 35, speculative 33, eager 22; the diagnostic was stopped at its 20 s share and took
-# about 35 s alone. They add up to 580 s (m6@fused and m6@triton: +30), so a full run ends in about 430 s and
-# leaves a 15-minute loan room to rerun.
-PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 85, 45, 75  # profile: +15 s for m6@fused (not yet run on a GPU)
+# about 35 s alone. They add up to 665 s (m6@fused, m6@triton, m6@no-pieces: +45; overlap +70), so a full run ends in
+# about 500 s and leaves a 15-minute loan room to rerun.
+PROFILE_SECONDS, SDPA_SECONDS, TESTS_SECONDS = 100, 45, 75  # profile: +15 s each for m6@fused, m6@no-pieces (not yet
+#                                                              run on a GPU)
 MIN_STEP_SECONDS = 5  # a phase left less than this is not started
 EIGHT_B_LAYERS = 32  # the whole of Llama-3.1-8B: 16 GB a step, 3.3 ms on an H200 and 4.9 on an H100, like the host's
 BENCH_GROUPS = {  # in ``all``'s order
@@ -119,8 +120,16 @@ BENCH_GROUPS = {  # in ``all``'s order
                          cpu_engines="m6@sync,m6,m6@fused+eager,m5,m5@eager"),
     # The engine's own work per step (issue 55's host-time row): a tiny checkpoint, so a step is almost all host time;
     # m1 at batch 1 only. Each row loads, captures three sizes and times 64 steps each: seconds on a GPU.
-    "host": BenchGroup("m1,m5,m6@sync,m6", "host", ("--host-batch-sizes", "1,8,64", "--host-steps", "64"), 30,
+    "host": BenchGroup("m1,m5,m6@sync,m6", "host", ("--host-batch-sizes", "1,8,64,256", "--host-steps", "64"), 30,
                        cpu_engines="m1,m6@sync+eager"),
+    # Overlap where it can pay (issue 70, item 4): m6 against m6@sync on the 135M shape from batch 1, where a fused
+    # step may be as short as the host's work, to 256, where the host's work grows with the rows; decode and mixed
+    # (steps with prefill replayed in pieces). Estimated, not yet run: two loads capturing 20 batch sizes and 7 token
+    # counts each, then seconds of rows.
+    "overlap": BenchGroup("m6@sync,m6", "batch,mixed",
+                          ("--batch-sizes", "1,16,64,256", "--max-num-seqs", "256", "--decode-tokens", "32",
+                           "--runs", "2", "--num-requests", "128", "--output-len-range", "32,128"), 70,
+                          cpu_engines="m6@sync+eager,m6@async+eager"),
     # Overlap where the device's time per step is like the host's (~4 ms): Llama-3.1-8B's shape, made on the GPU, and
     # loaded once per row (the milestones stage it in float32 on the device: 48 GB at peak). Estimated, not yet run:
     # 10-30 s to make it, 10-20 s a load, seconds for the rows.

@@ -416,6 +416,21 @@ CATALOGUE = (
         "a replay reads the positions its static buffer held at capture, not this step's",
     ),
     Mutation(
+        "m5-dispatch-full-for-any-decode", "milestones/m5/dispatcher.py",
+        "            elif batch.num_tokens <= self.decode[-1]:  # a row a token\n",
+        "            elif True:\n",
+        ("tests/m5/test_dispatcher.py::test_a_decode_step_larger_than_every_captured_batch_goes_to_the_pieces",),
+        "a decode step larger than every captured batch is sent to the full graphs, which have no bucket for it",
+    ),
+    Mutation(
+        "m5-pieces-attend-to-the-padding", "milestones/m5/piecewise.py",
+        "            cut.out[:n] = self.attention.forward(cut.q[:n], cut.k[:n], cut.v[:n], layer, ctx)\n",
+        "            cut.out[:] = self.attention.forward(cut.q, cut.k, cut.v, layer, ctx)\n",
+        ("tests/m5/test_dispatcher.py::test_a_piecewise_replay_runs_the_pieces_in_order_with_attention_on_the_real_tokens_"
+         "between",),
+        "a replay in pieces hands attention the padding rows too: their keys and values would be written somewhere",
+    ),
+    Mutation(
         "m5-paged-decode-scores-in-bfloat16", "milestones/m5/attention.py",
         "scores = torch.matmul(q, keys.float().transpose(2, 3)) * scale",
         "scores = torch.matmul(q, keys.transpose(2, 3).to(q.dtype)).to(keys.dtype).float() * scale",

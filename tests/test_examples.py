@@ -23,8 +23,8 @@ import torch
 
 from milestones import MILESTONES, m2
 from milestones.kernels import onednn_available
-from tests.conftest import HAS_KERNEL_TOOLCHAIN, needs_compiler
 from tests.chain import LOGPROB_ATOL
+from tests.conftest import HAS_KERNEL_TOOLCHAIN, needs_compiler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

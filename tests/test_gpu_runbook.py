@@ -163,12 +163,12 @@ def test_the_profile_writes_every_scenario_of_every_row(all_run):
         found = json.loads((folder / f"{stem}.json").read_text())
         assert found["device"] is None and found["timing"]["wall_mean"] > 0
         # Decode steps of the rehearsal's eager engines, and in a mixed step a new request beside the others.
-        assert found["graphs"]["eager_steps"] == found["steps"]
+        assert found["graphs"]["eager_steps"] == found["steps"], (stem, found["graphs"])
         own, cumulative = found["functions"]["own"], found["functions"]["cumulative"]
         assert len(own) == len(cumulative) == 40
         assert any("milestones/m" in f["function"] and "engine.py" in f["function"] for f in cumulative)
-        # Only m6 with overlap (and fused) has a forward worker thread, whose CPU time is measured apart.
-        assert (found["timing"]["worker_thread_cpu"] is not None) == (row in ("m6", "m6@fused"))
+        # Only m6 with overlap (the rows but m6@sync) has a forward worker thread, whose CPU time is measured apart.
+        assert (found["timing"]["worker_thread_cpu"] is not None) == (row in ("m6", "m6@fused", "m6@no-pieces"))
         assert "top 40 by own time" in (folder / f"{stem}.txt").read_text()
 
 
@@ -296,7 +296,7 @@ def test_a_row_that_raises_fails_the_step_and_is_kept_in_the_json(rehearsal, tmp
 def test_groups_need_a_known_name(tmp_path):
     proc = runbook("bench", str(tmp_path), "--group", "everything")
     assert proc.returncode == 2
-    assert "bench needs --group, one of: graphs, host, 8b, hf, speculative, eager" in proc.stderr
+    assert "bench needs --group, one of: graphs, host, overlap, 8b, hf, speculative, eager" in proc.stderr
 
 
 def collected(*args: str) -> set[str]:

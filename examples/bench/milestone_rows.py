@@ -211,7 +211,7 @@ def graph_stats(llm, since: dict | None = None) -> dict | None:
     if not hasattr(llm.engine, "graph_stats"):
         return None
     stats = llm.engine.graph_stats()
-    for key in ("replays", "eager_steps", "padded_rows") if since else ():
+    for key in ("replays", "piecewise_replays", "eager_steps", "padded_rows", "padded_tokens") if since else ():
         stats[key] -= since[key]
     return stats
 

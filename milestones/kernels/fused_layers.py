@@ -9,9 +9,11 @@ says so with ``DecodeRows.slots``), runs the same layer in about ten calls:
     norm -> qkv product -> RoPE and the KV write -> decode attention -> o product -> skip add and norm -> MLP -> add
 
 with the lesson's own linear layers (or those the linear backend swapped in) for the products. The fused calls
-are ``rms_norm.cpp`` and ``rope.cpp`` on a CPU, ``triton_fused.py`` on CUDA. On a CPU they round as the compiled
-norm and the lesson's operators round, so a fused step gives the unfused step's outputs bit for bit; on CUDA the
-norm's float32 sum runs in another order (within a unit in the last place, tests/kernels/test_triton_fused.py).
+are ``rms_norm.cpp`` and ``rope.cpp`` on a CPU, ``triton_fused.py`` on CUDA, where the MLP is three launches
+(``GateUpMLP``: gate and up as one product, SiLU-and-mul, down): ten kernels a layer. On a CPU they round as the
+compiled norm and the lesson's operators round, so a fused step gives the unfused step's outputs bit for bit; on
+CUDA the norm's float32 sum runs in another order (within a unit in the last place,
+tests/kernels/test_triton_fused.py), and the gate and up product may pick another cuBLAS kernel than either alone.
 Every other step (a prefill chunk in it, the lesson's attention, torch.compile tracing a captured step, which
 fuses on its own) runs the wrapped layer as it is.
 """
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention_backends import ContiguousDecodeKernel, DecodeKernelAttention, DecodeRows
@@ -45,6 +48,25 @@ class FusedOps:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps) -> (norm, sum)
     rope_and_write_kv: Callable[..., torch.Tensor]  # (q, k, v, cos, sin, pool_k, pool_v, slots) -> rotated q
+    mlp: Callable[[nn.Module], nn.Module]  # the module a fused layer runs the lesson's MLP (or its swap) with
+
+
+class GateUpMLP(nn.Module):
+    """CUDA: the lesson's MLP in three launches. Gate and up are one product, their weights made views of one
+    [2 * intermediate, hidden] tensor (so none is stored twice, and the lesson's MLP still reads them); then
+    SiLU-and-mul over its two halves; then down."""
+
+    def __init__(self, mlp: nn.Module, silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+        self.intermediate = gate.shape[0]
+        self.weight = torch.cat([gate.data, up.data])
+        gate.data, up.data = self.weight[: self.intermediate], self.weight[self.intermediate :]
+        self.down_proj, self.silu_and_mul = mlp.down_proj, silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.weight)
+        return self.down_proj(self.silu_and_mul(gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]))
 
 
 # --8<-- [start:fused_layer]
@@ -54,7 +76,7 @@ class FusedDecoderLayer(nn.Module):
     def __init__(self, layer: nn.Module, ops: FusedOps, attention: DecodeKernelAttention | ContiguousDecodeKernel):
         super().__init__()
         self.layer, self.ops, self.attention = layer, ops, attention
-        self.plan = LayerPlan.of(layer)  # read once: a module's attribute lookup costs a step more than its work
+        self.plan = LayerPlan.of(layer, ops.mlp(layer.mlp))  # read once: an attribute lookup costs more than its work
         self.pools: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None  # (the cache, this layer's views)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: Any) -> torch.Tensor:
@@ -96,12 +118,12 @@ class LayerPlan:
     layer_index: int
 
     @classmethod
-    def of(cls, layer: nn.Module) -> LayerPlan:
+    def of(cls, layer: nn.Module, mlp: nn.Module) -> LayerPlan:
         attn = layer.self_attn
         input_norm, eps = norm_of(layer.input_layernorm)
         post_norm, post_eps = norm_of(layer.post_attention_layernorm)
         assert eps == post_eps, "a layer's two norms share their eps (the model's rms_norm_eps)"
-        return cls(attn.qkv_proj, attn.o_proj, layer.mlp, input_norm, post_norm, eps,
+        return cls(attn.qkv_proj, attn.o_proj, mlp, input_norm, post_norm, eps,
                    [attn.q_size, attn.kv_size, attn.kv_size], attn.num_heads, attn.head_dim, attn.head_dim**-0.5,
                    attn.layer_index)
 
@@ -156,15 +178,20 @@ def _missing(config: Any, model: nn.Module, attention: Any) -> str | None:
 def fused_ops_for(device: torch.device) -> FusedOps:
     """The fused calls for this device, built (CPU) or imported (CUDA) once; raises if they cannot run."""
     if device.type == "cuda":
-        from . import triton_fused  # imported here: triton is slow to import, and only there on a GPU machine
-
-        return FusedOps(lambda x, weight, eps: triton_fused.rms_norm(x, weight, eps)[0],
-                        lambda x, residual, weight, eps: triton_fused.rms_norm(x, weight, eps, residual),
-                        triton_fused.rope_and_write_kv)
+        return triton_ops()
     load_rope()
     load_rms_norm()
     ops = torch.ops.milestones
-    return FusedOps(ops.rms_norm, ops.add_rms_norm, ops.rope_and_write_kv)
+    return FusedOps(ops.rms_norm, ops.add_rms_norm, ops.rope_and_write_kv, lambda mlp: mlp)  # mlp: the swap's
+
+
+def triton_ops() -> FusedOps:
+    """CUDA's fused calls, ``triton_fused.py`` (which Triton's interpreter also runs on CPU tensors, for the tests)."""
+    from . import triton_fused  # imported here: triton is slow to import, and only there on a GPU machine
+
+    return FusedOps(lambda x, weight, eps: triton_fused.rms_norm(x, weight, eps)[0],
+                    lambda x, residual, weight, eps: triton_fused.rms_norm(x, weight, eps, residual),
+                    triton_fused.rope_and_write_kv, lambda mlp: GateUpMLP(mlp, triton_fused.silu_and_mul))
 
 
 def load_rope() -> None:

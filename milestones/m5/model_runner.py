@@ -1,9 +1,11 @@
 """Own the model and its KV pool; turn a scheduled batch into tensors, run it, sample.
 
 As in m4, every scheduled token of every request goes into one flat batch, and each request reaches its keys
-and values through its block table. What m5 adds: a step in which every request decodes one token, and whose
-batch fits a captured size, is not run operator by operator but replayed by the ``GraphRunner``; every other
-step (a prefill chunk in it, more requests than the largest capture, ``enforce_eager``) runs eagerly, as in m4.
+and values through its block table. What m5 adds: the dispatcher sends every step one of three ways. A step in
+which every request decodes one token, and whose batch fits a captured size, is not run operator by operator but
+replayed whole by the ``GraphRunner``; on CUDA, any other step that fits a captured token count is replayed in
+pieces, attention eager between them (``PiecewiseRunner``); the rest run eagerly, as in m4, each for a reason the
+runner counts (``enforce_eager``, too large, a CPU's steps with prefill).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from milestones.transfer import to_device
 
 from .attention import AttentionContext, RequestSpan, attention
 from .config import EngineConfig
+from .dispatcher import BatchDescriptor, Dispatch, GraphDispatcher, GraphMode
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
+from .piecewise import PiecewiseRunner
 from .sampler import Sampler
 from .step import DecodeInputs, ModelInputs, PromptLogprobRows, ScheduledBatch, StepOutput
 
@@ -60,21 +64,44 @@ class ModelRunner:
         self.attention = attention_backend_for(config, model_config, attention, "paged")
         self.model.use_attention(self.attention.forward)
         fuse_layers_for(config, self.model, self.attention)  # a platform speed-up: decode steps' layers fused
-        self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
-        self.num_eager_steps = 0
+        full, pieces = self.capture_decode_step(), self.capture_pieces()  # each the graphs, or why there are none
+        self.graph_runner = None if isinstance(full, str) else full
+        self.piecewise = None if isinstance(pieces, str) else pieces
+        self.dispatcher = GraphDispatcher(full if isinstance(full, str) else full.sizes,
+                                          pieces if isinstance(pieces, str) else pieces.sizes)
+        self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly: the dispatcher's reason -> steps
 
-    def capture_decode_step(self) -> GraphRunner | None:
-        """Capture the decode step for every configured batch size (None: it cannot be captured here)."""
+    def capture_decode_step(self) -> GraphRunner | str:
+        """Capture the decode step for every configured batch size, or say why it is not captured here."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
         if self.device.type == "cpu" and not cpp_compiler_available():
             warnings.warn("no C++ compiler for torch.compile: m5 decodes eagerly (install g++ or clang, or pass "
                           "enforce_eager=True to silence this)", stacklevel=3)
-            return None
+            return "no C++ compiler for torch.compile"
         max_blocks = -(-self.config.max_model_len // self.config.block_size)
         graph_runner = GraphRunner(self.model, self.k_cache, self.v_cache, self.attention,
                                    self.config.cudagraph_capture_sizes, max_blocks)
         with torch.inference_mode():
             graph_runner.capture()
         return graph_runner
+
+    def capture_pieces(self) -> PiecewiseRunner | str:
+        """Capture the steps with prefill in pieces for every configured token count, or say why not here."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if self.device.type != "cuda":
+            return "a step with prefill on a CPU: no graphs to cut around attention"
+        if not self.config.piecewise_capture_sizes:
+            return "piecewise_capture_sizes=[]"
+        pieces = PiecewiseRunner(self.model, self.attention, self.config.piecewise_capture_sizes, self.device)
+        with torch.inference_mode():
+            pieces.capture()
+        return pieces
+
+    @property
+    def num_eager_steps(self) -> int:
+        return sum(self.eager_reasons.values())
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -91,13 +118,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Compute every scheduled token in one forward pass; sample for requests whose prompt is done."""
-        if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(len(batch.seqs)):
+        dispatch = self.dispatch(batch)
+        if dispatch.mode is GraphMode.FULL:
             hidden = self.graph_runner.run(self.decode_inputs(batch))
             return StepOutput(self.features.sample(self.sampler, self.compute_logits(hidden), batch.seqs).as_list(), {})
-        self.num_eager_steps += 1
         inputs = self.prepare_inputs(batch)
         self.attention.prepare_metadata(inputs.ctx)  # nothing, or what a kernel reads (a platform speed-up)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.ctx)
+        hidden = self.run_model(inputs.input_ids, inputs.positions, inputs.ctx, dispatch)
         prompt_logprobs = self.features.prompt_logprobs(self.compute_logits, hidden, inputs.prompt_rows)
         if not inputs.sample_seqs:  # every request is in the middle of its prompt
             return StepOutput([None] * len(batch.seqs), prompt_logprobs)
@@ -136,6 +163,25 @@ class ModelRunner:
         return ModelInputs(self._tensor(input_ids), self._tensor(positions), ctx, sample_rows, sample_seqs,
                            prompt_rows)
     # --8<-- [end:prepare_inputs]
+
+    # --8<-- [start:run_model]
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                  dispatch: Dispatch) -> torch.Tensor:
+        """A step not replayed whole: replayed in pieces, or run eagerly."""
+        if dispatch.mode is GraphMode.PIECEWISE:
+            return self.piecewise.run(input_ids, positions, ctx, dispatch.size)
+        return self.model(input_ids, positions, ctx)
+    # --8<-- [end:run_model]
+
+    # --8<-- [start:dispatch]
+    def dispatch(self, batch: ScheduledBatch) -> Dispatch:
+        """How this step runs: the full graphs, the pieces, or eagerly (its reason counted), from its descriptor."""
+        descriptor = BatchDescriptor(sum(batch.num_new_tokens), len(batch.seqs), self.is_decode_step(batch))
+        dispatch = self.dispatcher.dispatch(descriptor)
+        if dispatch.mode is GraphMode.NONE:
+            self.eager_reasons[dispatch.reason] = self.eager_reasons.get(dispatch.reason, 0) + 1
+        return dispatch
+    # --8<-- [end:dispatch]
 
     @staticmethod
     def is_decode_step(batch: ScheduledBatch) -> bool:

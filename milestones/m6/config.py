@@ -33,6 +33,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
     enforce_eager: bool = False  # True: never capture, every step runs eagerly as in m4
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: default_capture_sizes
+    piecewise_capture_sizes: list[int] | None = None  # token counts of steps with prefill captured in pieces (CUDA);
+    #                                                   None: default_piecewise_sizes; []: none, such steps eager
     async_scheduling: bool | str = "auto"  # overlap: schedule the next step while this one computes; "auto": on CUDA
     trace_file: str | None = None  # write a Chrome trace (schedule / forward / process per step) here on close
 
@@ -60,11 +62,18 @@ class EngineConfig:
             sizes = default_capture_sizes(device, self.max_num_seqs)
         options.check_sizes(sizes, "cudagraph_capture_sizes", self.max_num_seqs,
                             f"batch sizes in [1, max_num_seqs={self.max_num_seqs}]")
+        tokens = self.piecewise_capture_sizes
+        if tokens is None:
+            tokens = default_piecewise_sizes(device, self.max_num_batched_tokens)
+        if tokens != []:
+            options.check_sizes(tokens, "piecewise_capture_sizes", self.max_num_batched_tokens,
+                                f"token counts in [1, max_num_batched_tokens={self.max_num_batched_tokens}], or []")
         # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
-                       cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap)
+                       cudagraph_capture_sizes=sorted(set(sizes)), piecewise_capture_sizes=sorted(set(tokens)),
+                       async_scheduling=overlap)
 
 
 # --8<-- [start:options]
@@ -101,3 +110,13 @@ def default_capture_sizes(device: torch.device, max_num_seqs: int) -> list[int]:
     return sorted({size for size in base if size < largest} | {largest})
 # --8<-- [end:default_capture_sizes]
 
+
+# --8<-- [start:default_piecewise_sizes]
+def default_piecewise_sizes(device: torch.device, max_num_batched_tokens: int) -> list[int]:
+    """The token counts a step with prefill is captured in pieces for: on CUDA 8 to 128 in powers of two, then every
+    256, and ``max_num_batched_tokens`` (always the largest); none on a CPU, which has no graphs to split."""
+    if device.type != "cuda":
+        return []
+    base = [8, 16, 32, 64, 128, *range(256, max_num_batched_tokens, 256)]
+    return sorted({size for size in base if size < max_num_batched_tokens} | {max_num_batched_tokens})
+# --8<-- [end:default_piecewise_sizes]

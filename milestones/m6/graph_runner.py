@@ -128,9 +128,6 @@ class GraphRunner:
             rows[row, : len(table)] = table
         self.staging.upload(self.block_tables, size)
 
-    def fits(self, num_rows: int) -> bool:
-        return num_rows <= self.sizes[-1]
-
 
 def _graph_replay(graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> Callable[[], torch.Tensor]:
     def replay() -> torch.Tensor:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from milestones.serving.outputs import Logprob
 from milestones.serving.step_records import PromptLogprobRows
 
+from .dispatcher import Dispatch
 from .sequence import Sequence
 
 if TYPE_CHECKING:  # only for type hints
@@ -83,7 +84,8 @@ class SamplingRow:
 class StepInputs:
     """One step as the host hands it to the forward worker: plain data, never read again by the host."""
 
-    forward: DecodeInputs | ModelInputs  # replayed, or run eagerly
+    forward: DecodeInputs | ModelInputs  # replayed whole (a DecodeInputs), in pieces, or run eagerly
+    dispatch: Dispatch  # which of the three, at which captured size
     samples: list[SamplingRow]  # one per row that samples, in order
     future_ids: list[int]  # where each sampled token waits on the device for the next step
     sample_seqs: list[Sequence]  # the host's own record of who samples (the worker reads ``samples``)

@@ -35,6 +35,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
     enforce_eager: bool = False  # True: never capture, every step runs eagerly as in m4
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: default_capture_sizes
+    piecewise_capture_sizes: list[int] | None = None  # token counts of steps with prefill captured in pieces (CUDA);
+    #                                                   None: default_piecewise_sizes; []: none, such steps eager
     async_scheduling: bool | str = "auto"  # overlap: schedule the next step while this one computes; "auto": on CUDA
     trace_file: str | None = None  # write a Chrome trace (schedule / forward / process per step) here on close
     # {"method": "ngram", "num_speculative_tokens": k, ...}: guess k tokens a step and check them at once; None: m6
@@ -71,6 +73,12 @@ class EngineConfig:
         largest = self.max_num_seqs * rows_per_seq  # m7: rows, not requests
         options.check_sizes(sizes, "cudagraph_capture_sizes", largest,
                             f"row counts in [1, max_num_seqs * (1 + num_speculative_tokens) = {largest}]")
+        tokens = self.piecewise_capture_sizes
+        if tokens is None:
+            tokens = default_piecewise_sizes(device, self.max_num_batched_tokens)
+        if tokens != []:
+            options.check_sizes(tokens, "piecewise_capture_sizes", self.max_num_batched_tokens,
+                                f"token counts in [1, max_num_batched_tokens={self.max_num_batched_tokens}], or []")
         # On a CPU the forward worker's thread gets an OpenMP team of its own beside the caller's: more threads than
         # cores, so every parallel region pays to wake its sleeping threads, and the overlap runs slower than m5's loop.
         overlap = device.type == "cuda" if self.async_scheduling == "auto" else self.async_scheduling
@@ -84,7 +92,8 @@ class EngineConfig:
                              "slice of the blocks; use tensor_parallel_size=1 or quantization=None")
         eager = self.enforce_eager or (ranks and device.type == "cpu")
         return replace(self, device=device, dtype=dtype, max_model_len=max_len,
-                       cudagraph_capture_sizes=sorted(set(sizes)), async_scheduling=overlap,
+                       cudagraph_capture_sizes=sorted(set(sizes)), piecewise_capture_sizes=sorted(set(tokens)),
+                       async_scheduling=overlap,
                        speculative_config=speculative, enforce_eager=eager)
 
 
@@ -128,3 +137,13 @@ def default_capture_sizes(device: torch.device, max_num_seqs: int, rows_per_seq:
     return sorted({size for size in base if size < largest or size == rows_per_seq} | {largest})
 # --8<-- [end:default_capture_sizes]
 
+
+# --8<-- [start:default_piecewise_sizes]
+def default_piecewise_sizes(device: torch.device, max_num_batched_tokens: int) -> list[int]:
+    """The token counts a step with prefill is captured in pieces for: on CUDA 8 to 128 in powers of two, then every
+    256, and ``max_num_batched_tokens`` (always the largest); none on a CPU, which has no graphs to split."""
+    if device.type != "cuda":
+        return []
+    base = [8, 16, 32, 64, 128, *range(256, max_num_batched_tokens, 256)]
+    return sorted({size for size in base if size < max_num_batched_tokens} | {max_num_batched_tokens})
+# --8<-- [end:default_piecewise_sizes]

@@ -48,6 +48,10 @@ class DraftView:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_tokens(self) -> int:  # what the runner's dispatch asks of every request
+        return len(self.token_ids)
+
 
 # --8<-- [start:draft_model]
 class DraftModelProposer:

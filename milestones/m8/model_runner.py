@@ -1,9 +1,11 @@
 """Own the model and its KV pool; turn a scheduled batch into tensors, run it, sample.
 
 As in m4, every scheduled token of every request goes into one flat batch, and each request reaches its keys
-and values through its block table. What m5 adds: a step in which every request decodes one token, and whose
-batch fits a captured size, is not run operator by operator but replayed by the ``GraphRunner``; every other
-step (a prefill chunk in it, more requests than the largest capture, ``enforce_eager``) runs eagerly, as in m4.
+and values through its block table. What m5 adds: the dispatcher sends every step one of three ways. A step in
+which every request decodes one token, and whose batch fits a captured size, is not run operator by operator but
+replayed whole by the ``GraphRunner``; on CUDA, any other step that fits a captured token count is replayed in
+pieces, attention eager between them (``PiecewiseRunner``); the rest run eagerly, as in m4, each for a reason the
+runner counts (``enforce_eager``, too large, a CPU's steps with prefill).
 
 m6: the host ``prepare``s a step as plain lists (the host changes the sequences while
 it runs) and the forward worker ``execute``s it: tensors, future ids resolved, forward,
@@ -30,10 +32,12 @@ from milestones.transfer import to_device
 
 from .attention import AttentionContext, RequestSpan, attention
 from .config import EngineConfig
+from .dispatcher import BatchDescriptor, Dispatch, GraphDispatcher, GraphMode
 from .distributed import SINGLE, TensorParallel
 from .future_map import FutureMap
 from .graph_runner import GraphRunner
 from .model import CausalLM, ModelConfig
+from .piecewise import PiecewiseRunner
 from .sampler import Sampler
 from .sequence import Sequence
 from .step import (
@@ -94,21 +98,44 @@ class ModelRunner:
         self.attention = attention_backend_for(config, heads, attention, "paged")
         self.model.use_attention(self.attention.forward)
         fuse_layers_for(config, self.model, self.attention)  # a platform speed-up: decode steps' layers fused
-        self.graph_runner = None if config.enforce_eager else self.capture_decode_step()
-        self.num_eager_steps = 0
+        full, pieces = self.capture_decode_step(), self.capture_pieces()  # each the graphs, or why there are none
+        self.graph_runner = None if isinstance(full, str) else full
+        self.piecewise = None if isinstance(pieces, str) else pieces
+        self.dispatcher = GraphDispatcher(full if isinstance(full, str) else full.sizes,
+                                          pieces if isinstance(pieces, str) else pieces.sizes)
+        self.eager_reasons: dict[str, int] = {}  # why steps ran eagerly: the dispatcher's reason -> steps
 
-    def capture_decode_step(self) -> GraphRunner | None:
-        """Capture the decode step for every configured batch size (None: it cannot be captured here)."""
+    def capture_decode_step(self) -> GraphRunner | str:
+        """Capture the decode step for every configured batch size, or say why it is not captured here."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
         if self.device.type == "cpu" and not cpp_compiler_available():
             warnings.warn("no C++ compiler for torch.compile: m5 decodes eagerly (install g++ or clang, or pass "
                           "enforce_eager=True to silence this)", stacklevel=3)
-            return None
+            return "no C++ compiler for torch.compile"
         max_blocks = -(-self.config.max_model_len // self.config.block_size)
         graph_runner = GraphRunner(self.model, self.k_cache, self.v_cache, self.attention,
                                    self.config.cudagraph_capture_sizes, max_blocks)
         with torch.inference_mode():
             graph_runner.capture()
         return graph_runner
+
+    def capture_pieces(self) -> PiecewiseRunner | str:
+        """Capture the steps with prefill in pieces for every configured token count, or say why not here."""
+        if self.config.enforce_eager:
+            return "enforce_eager=True"
+        if self.device.type != "cuda":
+            return "a step with prefill on a CPU: no graphs to cut around attention"
+        if not self.config.piecewise_capture_sizes:
+            return "piecewise_capture_sizes=[]"
+        pieces = PiecewiseRunner(self.model, self.attention, self.config.piecewise_capture_sizes, self.device)
+        with torch.inference_mode():
+            pieces.capture()
+        return pieces
+
+    @property
+    def num_eager_steps(self) -> int:
+        return sum(self.eager_reasons.values())
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -125,23 +152,24 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The host's half of a step: what to compute, as plain lists, and a future id for every token to sample."""
         # m7: a decode step has a row per token, so a checking step needs 1 + guesses rows a request
-        if self.graph_runner is not None and self.is_decode_step(batch) and self.graph_runner.fits(
-                sum(batch.num_new_tokens)):
+        dispatch = self.dispatch(batch)
+        if dispatch.mode is GraphMode.FULL:
             forward, sample_seqs = self.decode_inputs(batch)
             positions = forward.positions
         else:
             forward = self.prepare_inputs(batch)
             sample_seqs, positions = forward.sample_seqs, [forward.positions[row] for row in forward.sample_rows]
         rows = [SamplingRow.of(seq, p, self.rejection, batch.guess_probs) for seq, p in zip(sample_seqs, positions)]
-        return StepInputs(forward, rows, self.future_map.allocate(len(sample_seqs)), sample_seqs, len(batch.seqs))
+        return StepInputs(forward, dispatch, rows, self.future_map.allocate(len(sample_seqs)), sample_seqs,
+                          len(batch.seqs))
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> StepOutput:
         """The device's half: compute the scheduled tokens in one forward pass and sample; tokens stay on the device.
         m8: rank 0's half; the other ranks compute their shards of the same step with it (``execute_shard``)."""
         forward = replace(step.forward, sample_seqs=[]) if isinstance(step.forward, ModelInputs) else step.forward
-        self.tp.send_step(ShardStep(forward, step.future_ids))  # the host's sequences stay here
-        hidden, prompt_logprobs = self.forward(step.forward)
+        self.tp.send_step(ShardStep(forward, step.dispatch, step.future_ids))  # the host's sequences stay here
+        hidden, prompt_logprobs = self.forward(step.forward, step.dispatch)
         if not step.samples:  # every request is in the middle of its prompt
             return StepOutput(torch.empty(0, dtype=torch.long, device=self.device), [], prompt_logprobs)
         picked = self.features.sample(self.sampler, self.logits(hidden), step.samples)  # on the worker
@@ -154,7 +182,7 @@ class ModelRunner:
     def execute_shard(self, step: ShardStep) -> None:
         """m8, every rank but 0: compute this rank's shard of the step rank 0 sent, take part in its logits, and keep
         the tokens rank 0 sampled where the next step's inputs look for them."""
-        hidden, _ = self.forward(step.forward)
+        hidden, _ = self.forward(step.forward, step.dispatch)
         if step.future_ids:
             self.logits(hidden)
             tokens = torch.empty(len(step.future_ids), dtype=torch.long, device=self.device)
@@ -165,14 +193,13 @@ class ModelRunner:
         while (step := self.tp.receive_step()) is not None:
             self.execute_shard(step)
 
-    def forward(self, forward: DecodeInputs | ModelInputs) -> tuple[torch.Tensor, dict[str, list]]:
+    def forward(self, forward: DecodeInputs | ModelInputs, dispatch: Dispatch) -> tuple[torch.Tensor, dict[str, list]]:
         """Every rank: the hidden states of the rows that sample, and the prompt scores of the requests that ask."""
-        if isinstance(forward, DecodeInputs):
+        if dispatch.mode is GraphMode.FULL:
             return self.graph_runner.run(forward, self.future_map), {}
-        self.num_eager_steps += 1
         input_ids, positions, ctx = self.device_inputs(forward)
         self.attention.prepare_metadata(ctx)  # nothing, or what a kernel reads (a platform speed-up)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self.run_model(input_ids, positions, ctx, dispatch)
         prompt_logprobs = self.features.prompt_logprobs(self.logits, hidden, forward.prompt_rows)
         rows = self._tensor(forward.sample_rows)  # a tensor from pinned memory: a list index would
         return hidden[rows], prompt_logprobs  # copy to the GPU and wait for the forward
@@ -221,6 +248,25 @@ class ModelRunner:
                                self._tensor(inputs.block_tables), inputs.requests)
         return input_ids, self._tensor(inputs.positions), ctx
     # --8<-- [end:prepare_inputs]
+
+    # --8<-- [start:run_model]
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                  dispatch: Dispatch) -> torch.Tensor:
+        """A step not replayed whole: replayed in pieces, or run eagerly."""
+        if dispatch.mode is GraphMode.PIECEWISE:
+            return self.piecewise.run(input_ids, positions, ctx, dispatch.size)
+        return self.model(input_ids, positions, ctx)
+    # --8<-- [end:run_model]
+
+    # --8<-- [start:dispatch]
+    def dispatch(self, batch: ScheduledBatch) -> Dispatch:
+        """How this step runs: the full graphs, the pieces, or eagerly (its reason counted), from its descriptor."""
+        descriptor = BatchDescriptor(sum(batch.num_new_tokens), len(batch.seqs), self.is_decode_step(batch))
+        dispatch = self.dispatcher.dispatch(descriptor)
+        if dispatch.mode is GraphMode.NONE:
+            self.eager_reasons[dispatch.reason] = self.eager_reasons.get(dispatch.reason, 0) + 1
+        return dispatch
+    # --8<-- [end:dispatch]
 
     @staticmethod
     def is_decode_step(batch: ScheduledBatch) -> bool:

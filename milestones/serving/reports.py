@@ -34,12 +34,17 @@ def kv_usage(scheduler: Any, runner: Any) -> dict[str, int | float]:
 
 
 def graph_stats(runner: Any) -> dict[str, object]:
-    """m5 on: which batch sizes were captured, and how many steps were replayed, padded or run eagerly."""
-    graphs = runner.graph_runner
+    """m5 on: which batch sizes and token counts were captured, and how many steps were replayed whole, replayed in
+    pieces, padded, or run eagerly (and why)."""
+    graphs, pieces = runner.graph_runner, runner.piecewise
     return {
         "captured_sizes": graphs.sizes if graphs else [],
         "replays": graphs.num_replays if graphs else 0,
         "eager_steps": runner.num_eager_steps,
+        "eager_reasons": dict(runner.eager_reasons),
         "padded_rows": graphs.num_padded_rows if graphs else 0,
-        "capture_seconds": graphs.capture_seconds if graphs else 0.0,
+        "capture_seconds": (graphs.capture_seconds if graphs else 0.0) + (pieces.capture_seconds if pieces else 0.0),
+        "piecewise_sizes": pieces.sizes if pieces else [],
+        "piecewise_replays": pieces.num_replays if pieces else 0,
+        "padded_tokens": pieces.num_padded_tokens if pieces else 0,
     }

@@ -8,10 +8,11 @@ import re
 
 import pytest
 
-# Options whose checks need the machine or another option (device, dtype, lengths, backends, capture sizes,
-# quantization: its kernel runs on the CPU in float32 only; fuse_layers=True: its calls run in some dtypes only).
+# Options whose checks need the machine or another option (device, dtype, lengths, backends, capture sizes and token
+# counts, quantization: its kernel runs on the CPU in float32 only; fuse_layers=True: its calls run in some dtypes
+# only).
 CHECKED_BY_RESOLVE = {"model", "device", "dtype", "max_model_len", "linear_backend", "attention_backend",
-                      "cudagraph_capture_sizes", "quantization", "fuse_layers"}
+                      "cudagraph_capture_sizes", "piecewise_capture_sizes", "quantization", "fuse_layers"}
 
 
 def test_every_option_has_a_line_in_the_table(mod, milestone):

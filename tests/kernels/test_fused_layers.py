@@ -9,6 +9,8 @@ operators bit for bit; the switch refuses what it cannot do, saying what to chan
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,7 +43,7 @@ def count_fused_steps(monkeypatch, llm) -> list[int]:
         calls[0] += 1
         return rope(*args)
 
-    counted_ops = type(layers[0].ops)(layers[0].ops.rms_norm, layers[0].ops.add_rms_norm, counted)
+    counted_ops = dataclasses.replace(layers[0].ops, rope_and_write_kv=counted)
     for layer in layers:
         monkeypatch.setattr(layer, "ops", counted_ops)
     return calls

@@ -144,3 +144,43 @@ def test_the_kernels_refuse_what_they_cannot_address():
         triton_fused.rope_and_write_kv(q, k[:, :1], k[:, :1], angles, angles, pool, pool, slots)
     with pytest.raises(ValueError, match="share a dtype"):
         triton_fused.rope_and_write_kv(q, k.half(), k, angles, angles, pool, pool, slots)
+
+
+@pytest.mark.parametrize("package", ["m1", "m3"])  # m1's cache of rows, m3's blocks
+def test_a_layer_fused_with_the_triton_kernels_gives_the_lesson_s_tokens(package, tiny_model_path, monkeypatch):
+    """CUDA's fused layer as a whole (the Triton norm, RoPE with the KV write, SiLU-and-mul, gate and up as one
+    product), here in the interpreter on CPU tensors in float32: an engine whose decode steps run it gives the
+    lesson's tokens, and log-probabilities within the chain's tolerance (the largest gap is printed)."""
+    import importlib
+
+    from milestones.kernels import FusedDecoderLayer, fused_layers
+    from tests.chain import LIMITS, LOGPROB_ATOL, assert_same_outputs, mixed_workload, run
+
+    mod = importlib.import_module(f"milestones.{package}")
+    options = {k: v for k, v in LIMITS.items() if k in mod.EngineConfig.__dataclass_fields__}
+    options.update(linear_backend="torch", attention_backend="cpp")  # the lesson's products and norms, as on CUDA
+    prompts, settings = mixed_workload(4, seed=3, max_prompt=24, max_output=8)
+    settings = [dict(s, logprobs=2) for s in settings]  # every token's three log-probabilities compared
+    reference = run(mod, mod.LLM(tiny_model_path, fuse_layers=False, **options), prompts, settings)
+    monkeypatch.setattr(fused_layers, "fused_ops_for", lambda device: fused_layers.triton_ops())
+    monkeypatch.setattr(fused_layers, "_missing", lambda config, model, attention: None)  # CUDA's checks passed
+    fused = mod.LLM(tiny_model_path, fuse_layers=True, **options)
+    layers = fused.engine.runner.model.model.layers
+    assert all(isinstance(layer, FusedDecoderLayer) for layer in layers)
+    assert all(isinstance(layer.plan.mlp, fused_layers.GateUpMLP) for layer in layers)
+    calls = [0]
+    silu_and_mul = triton_fused.silu_and_mul
+
+    def counted(gate, up):
+        calls[0] += 1
+        return silu_and_mul(gate, up)
+
+    for layer in layers:
+        monkeypatch.setattr(layer.plan.mlp, "silu_and_mul", counted)
+    outputs = run(mod, fused, prompts, settings)
+    assert calls[0] > 0 and calls[0] % len(layers) == 0, f"{calls[0]} fused MLP calls for {len(layers)} layers"
+    gaps = [abs(a[token].logprob - b[token].logprob) for out, ref in zip(outputs, reference)
+            for a, b in zip(out.logprobs or [], ref.logprobs or []) for token in a.keys() & b.keys()]
+    print(f"\n{package}, fused with the Triton kernels: {calls[0] // len(layers)} fused steps; largest "
+          f"log-probability gap {max(gaps, default=0.0):.2e} over {len(gaps)} (tolerance {LOGPROB_ATOL})")
+    assert_same_outputs(outputs, reference, settings, atol=LOGPROB_ATOL)

@@ -43,9 +43,15 @@ def test_m5_matches_m4_on_a_mixed_workload(tiny_model_path, captured, mixed):
     stats = captured.engine.graph_stats()
     assert stats["captured_sizes"] == SIZES
     assert stats["replays"] > before["replays"] and stats["eager_steps"] > before["eager_steps"]
+    # a CPU's steps with prefill, and decode steps of more requests than the largest bucket, run eagerly, each counted
+    assert set(stats["eager_reasons"]) == {
+        "a step with prefill on a CPU: no graphs to cut around attention",
+        "a decode step of 5 rows (5 requests): more than the largest captured batch (4)"}, stats
+    assert stats["piecewise_sizes"] == [] and stats["piecewise_replays"] == 0
     eager = m5.LLM(tiny_model_path, enforce_eager=True, **LIMITS)
     assert_same_outputs(run(m5, eager, *mixed), reference)
-    assert eager.engine.graph_stats()["replays"] == 0
+    stats = eager.engine.graph_stats()
+    assert stats["replays"] == 0 and list(stats["eager_reasons"]) == ["enforce_eager=True"], stats
     checked(captured)
 
 

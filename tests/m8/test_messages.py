@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from milestones.m8.attention import RequestSpan
+from milestones.m8.dispatcher import Dispatch, GraphMode
 from milestones.m8.distributed import SINGLE, TensorParallel
 from milestones.m8.step import DecodeInputs, ModelInputs, ShardStep
 
@@ -46,11 +47,13 @@ def message_ranks(size: int, work) -> list:
 
 def steps() -> list:
     """Steps of every kind and size, as rank 0 sends them: a decode step, a prefill, a long one, then None (stop)."""
-    decode = ShardStep(DecodeInputs([5, -3], [7, 12], [7, 28], [[0], [1, 2]], [8, 13]), [-1, -2])
+    decode = ShardStep(DecodeInputs([5, -3], [7, 12], [7, 28], [[0], [1, 2]], [8, 13]), Dispatch(GraphMode.FULL, 2),
+                       [-1, -2])
     prefill = ShardStep(ModelInputs([11, 12, 13], [0, 1, 2], [16, 17, 18], [1], [RequestSpan(0, 3, [1], 3)], [2],
-                                    [], []), [-3])
+                                    [], []), Dispatch(GraphMode.PIECEWISE, 8), [-3])
     long = ShardStep(DecodeInputs(list(range(5000)), list(range(5000)), list(range(5000)), [[0]] * 5000,
-                                  [1] * 5000), [])
+                                  [1] * 5000), Dispatch(GraphMode.NONE, 5000, "5000 tokens: more than the largest "
+                                                                             "piecewise capture (512)"), [])
     return [decode, prefill, long, decode, None]
 
 
