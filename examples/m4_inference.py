@@ -30,6 +30,8 @@ from _common import HelpFormatter, fmt_seconds
 from m2_inference import add_arguments, build_requests, generate, load, print_completions, print_totals
 from m3_inference import add_paging_arguments
 
+from milestones.m4.policies import POLICIES
+
 # Written for this project (~150 words): the long prefix that every request shares.
 SYSTEM_PROMPT = """\
 You are the help desk assistant of the Harbour Light Museum, a small maritime museum in the old \
@@ -69,8 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the system prompt that every request starts with (default: ~150 words about a museum)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn the prefix cache off (every prompt is computed in full, as in m3)")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "lpm"], default="fcfs",
-                   help="fcfs: admit in arrival order; lpm: the waiting request with the longest cached prefix first")
+    g.add_argument("--scheduling-policy", choices=POLICIES, default="fcfs",
+                   help="fcfs: admit in arrival order; lpm: the waiting request with the longest cached prefix first; "
+                        "dfs-weight, lof, random: milestones/m4/policies.py (examples/scheduling_policies.py compares "
+                        "them)")
     g.add_argument("--compare", action="store_true",
                    help="run the same requests again with the prefix cache off, then compare time, work and text")
     add_paging_arguments(p, "as many as m2 would reserve (max_num_seqs x max_model_len tokens)")

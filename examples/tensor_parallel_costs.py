@@ -37,6 +37,7 @@ from bench.report import machine_info
 from torch.profiler import ProfilerActivity, profile
 
 from milestones import m8
+from milestones.m8.dispatcher import Dispatch, GraphMode
 from milestones.m8.distributed import join
 from milestones.m8.step import ModelInputs, ShardStep
 
@@ -71,11 +72,12 @@ def collective_share(llm: m8.LLM, steps: int, trace: Path | None) -> dict[str, f
 
 
 def a_step_message() -> ShardStep:
-    """What rank 0 sends for a decode step of 8 requests, 300 tokens into their sequences."""
+    """What rank 0 sends for a decode step of 8 requests, 300 tokens into their sequences (eager: several CPU ranks
+    capture nothing)."""
     tables = [list(range(i * 20, i * 20 + 19)) for i in range(8)]
     forward = ModelInputs([-1 - i for i in range(8)], [300] * 8, [t[-1] * 16 + 12 for t in tables], sum(tables, []),
                           [], list(range(8)), [], [])
-    return ShardStep(forward, [-9 - i for i in range(8)])
+    return ShardStep(forward, Dispatch(GraphMode.NONE, 8, "enforce_eager=True"), [-9 - i for i in range(8)])
 
 
 def message_worker(rank: int, size: int, port: int, rounds: int, names: list[str], events) -> None:

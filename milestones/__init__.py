@@ -23,8 +23,9 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py",
            "step.py"},
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, a request's
-    # n samples sharing its prompt
-    "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py"},
+    # n samples sharing its prompt; the scheduling policies (fcfs, lpm, dfs-weight, lof, random)
+    "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py",
+           "policies.py"},
     # the decode step captured per batch size and replayed: static buffers, padding, a fixed-shape decode attention;
     # every step dispatched (whole, in pieces cut at attention, or eagerly with a reason)
     "m5": {"__init__.py", "config.py", "model_runner.py", "graph_runner.py", "attention.py", "engine.py", "step.py",

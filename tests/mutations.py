@@ -291,11 +291,17 @@ CATALOGUE = (
         "a span's first counts the blocks before it, not their tokens: later requests read another's keys",
     ),
     Mutation(
-        "m4-lpm-no-op", "milestones/m4/scheduler.py",
-        'if self.config.scheduling_policy == "lpm" and self.tree is not None:',
-        'if False and self.config.scheduling_policy == "lpm" and self.tree is not None:',
+        "m4-lpm-no-op", "milestones/m4/policies.py",
+        'if policy == "lpm" and tree is not None and len(waiting) <= LPM_MAX_WAITING:',
+        'if False and policy == "lpm" and tree is not None and len(waiting) <= LPM_MAX_WAITING:',
         ("tests/m4/test_scheduler.py::test_lpm_sorts_by_cached_length_without_changing_the_tree",),
         "the longest-prefix-match policy accepted but never applied",
+    ),
+    Mutation(
+        "m4-dfs-weight-lightest-first", "milestones/m4/policies.py",
+        "key=lambda c: weight[c])]  # heaviest on top", "key=lambda c: -weight[c])]  # heaviest on top",
+        ("tests/m4/test_scheduler.py::test_dfs_weight_admits_the_busiest_branch_first_and_each_branch_together",),
+        "dfs-weight walks the lightest branch of the tree first: requests sharing the busiest prefix wait",
     ),
     Mutation(
         "m4-evict-locked", "milestones/m4/radix_tree.py",

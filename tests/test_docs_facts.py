@@ -696,8 +696,9 @@ FIGURES = [
            lambda: (f"{mb(kv_bytes_per_token() * 500 * 16):.0f}", f"{mb(kv_bytes_per_token() * 500):.0f}"),
            about=0.02),
     # ---- m4.md
-    Figure("m4.md", r"the new file is `radix_tree\.py`, about\s+§ lines",
-           lambda: (file_lines("milestones/m4/radix_tree.py"),), about=0.05),
+    Figure("m4.md", r"the new files are `radix_tree\.py`, about\s+§ lines of plain Python, and `policies\.py` "
+           r"\(about §\)", lambda: (file_lines("milestones/m4/radix_tree.py"), file_lines("milestones/m4/policies.py")),
+           about=0.05),
     Figure("m4.md", r"the § traps above",
            lambda: (EN_WORDS[len(re.findall(r"^def test_trap_", (REPO_ROOT / "tests/m4/test_vs_m3.py").read_text(),
                                             re.MULTILINE))],)),

@@ -386,6 +386,25 @@ def test_m3_inference_runs(tiny_model_path, pool):
         assert int(summary_value(out, "preemptions").split()[0]) > 0 and "preempted" in out
 
 
+def test_scheduling_policies_order_the_work_and_never_change_the_tokens(tiny_model_path):
+    """Every policy on both pools gives fcfs's tokens; on the tight pool the cache-aware ones compute fewer prompt
+    tokens than arrival order (four groups take turns through a cache that holds about one prefix besides)."""
+    out = run_script("examples/scheduling_policies.py", "--model", str(tiny_model_path), "--groups", "4",
+                     "--per-group", "3", "--prefix-len", "32", "--output-len", "2", "--tight", "10,2",
+                     "--roomy", "40,4").stdout
+    tables, table = {}, None
+    for line in out.splitlines():
+        if found := re.match(r"^(tight|roomy) pool:", line):
+            table = tables[found.group(1)] = {}
+        elif table is not None and (row := re.match(r"^(\S+)\s+\d+ of \d+\s+([\d.]+)x.*\s(same|DIFFERENT)$", line)):
+            table[row.group(1)] = (float(row.group(2)), row.group(3))
+    assert set(tables) == {"tight", "roomy"}, out
+    for table in tables.values():
+        assert set(table) == {"fcfs", "lpm", "dfs-weight", "lof", "random"}, out
+        assert all(same == "same" for _, same in table.values()), out
+    assert tables["tight"]["lpm"][0] < 1 and tables["tight"]["dfs-weight"][0] < 1, out
+
+
 def test_m4_inference_compare(tiny_model_path):
     out = run_script("examples/m4_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "4", "--compare",
                                                              "--scheduling-policy", "lpm")).stdout

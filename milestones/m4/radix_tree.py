@@ -64,6 +64,14 @@ class RadixTree:
         return self.block_size * sum(same for _, same in self._shared_edges(tokens))
     # --8<-- [end:cached_prefix_length]
 
+    def last_shared_node(self, tokens: list[int]) -> Node:
+        """The node where ``match_prefix`` would stop, found read-only (an edge shared in part: its child, which
+        stands for the node a split would make)."""
+        node = self.root
+        for child, _ in self._shared_edges(tokens):
+            node = child
+        return node
+
     # --8<-- [start:shared_edges]
     def _shared_edges(self, tokens: list[int]) -> Iterator[tuple[Node, int]]:
         """The edges ``tokens`` follows from the root, each with how many of its blocks the tokens share.

@@ -9,6 +9,8 @@ import torch
 from milestones import options
 from milestones.kernels import check_platform
 
+from .policies import POLICIES
+
 DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
 
 
@@ -30,7 +32,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
-    scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm": longest cached prefix first
+    scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm", "dfs-weight", "lof", "random": policies.py
     enforce_eager: bool = False  # True: never capture, every step runs eagerly as in m4
     cudagraph_capture_sizes: list[int] | None = None  # decode batch sizes to capture; None: default_capture_sizes
     piecewise_capture_sizes: list[int] | None = None  # token counts of steps with prefill captured in pieces (CUDA);
@@ -79,7 +81,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "num_kv_blocks": options.POSITIVE_OR_NONE,  # None: as many as kv_cache_memory_bytes holds
     "kv_cache_memory_bytes": options.POSITIVE_OR_NONE,
     "enable_prefix_caching": options.FLAG,
-    "scheduling_policy": options.one_of("fcfs", "lpm"),
+    "scheduling_policy": options.one_of(*POLICIES),
     "enforce_eager": options.FLAG,
 }
 # --8<-- [end:options]

@@ -39,7 +39,8 @@ def mixed_reference(tiny_model_path, mixed):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"enable_prefix_caching": False}, {"scheduling_policy": "lpm"}, {"block_size": 1}]
+    "options", [{}, {"enable_prefix_caching": False}, {"scheduling_policy": "lpm"}, {"block_size": 1},
+                {"scheduling_policy": "dfs-weight"}, {"scheduling_policy": "lof"}, {"scheduling_policy": "random"}]
 )
 def test_m4_matches_m3_on_the_mixed_workload(tiny_model_path, mixed, mixed_reference, options):
     llm = m4.LLM(tiny_model_path, **LIMITS, **options)
@@ -186,7 +187,7 @@ def test_cache_off_reports_no_hits(tiny_model_path):
 
 def test_unknown_scheduling_policy_is_refused(tiny_model_path):
     with pytest.raises(ValueError, match="scheduling_policy"):
-        m4.LLM(tiny_model_path, scheduling_policy="random", **LIMITS)
+        m4.LLM(tiny_model_path, scheduling_policy="priority", **LIMITS)  # vLLM's, not one of these
 
 
 @pytest.mark.real_model
