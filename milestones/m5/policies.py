@@ -28,6 +28,16 @@ POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LPM_MAX_WAITING = 128  # SGLang's threshold: more waiting requests than this, and lpm is fcfs
 
 
+class WaitingOrder:
+    """``scheduling_policy`` as the scheduler applies it: ``order_waiting`` with ``random``'s seeded generator."""
+
+    def __init__(self, policy: str, seed: int) -> None:
+        self.policy, self.rng = policy, random.Random(seed)
+
+    def __call__(self, waiting: deque[Sequence], tree: RadixTree | None, max_model_len: int) -> deque[Sequence]:
+        return order_waiting(waiting, self.policy, tree, self.rng, max_model_len)
+
+
 # --8<-- [start:order_waiting]
 def order_waiting(waiting: deque[Sequence], policy: str, tree: RadixTree | None, rng: random.Random,
                   max_model_len: int) -> deque[Sequence]:

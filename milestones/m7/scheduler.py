@@ -14,9 +14,8 @@ where blocks come from.
 * Locks: a request locks the path it uses, so its blocks are never evicted under it.
 * Evict before preempting: when blocks run out, unlocked cached leaves are dropped
   (least recently used first); only when none is left is a request preempted.
-* ``scheduling_policy`` orders the waiting queue before admission (``policies.py``): ``"fcfs"`` keeps arrival
-  order; ``"lpm"`` puts the longest cached prefix first (SGLang's longest-prefix-match), ``"dfs-weight"`` the
-  busiest branch of the tree; ``"lof"`` the longest output; ``"random"`` a seeded shuffle.
+* ``scheduling_policy`` orders the waiting queue before admission: ``"fcfs"`` (arrival), ``"lpm"``,
+  ``"dfs-weight"``, ``"lof"`` or ``"random"``, SGLang's policies (``policies.py``).
 
 m7: with ``speculative_config`` it also keeps room for guesses, and never makes one. After the plan above, each
 decoding request gets room from the budget and free blocks the step left over (``_keep_guess_room``,
@@ -26,12 +25,11 @@ the guesses to the step, and ``trim`` gives back what rejected ones held. It run
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from typing import TYPE_CHECKING
 
 from .block_manager import BlockManager
-from .policies import order_waiting
+from .policies import WaitingOrder
 from .proposer import guess_room
 from .radix_tree import Node, RadixTree, path_blocks
 from .sequence import Sequence, SequenceStatus, check_sequences
@@ -46,7 +44,7 @@ class Scheduler:
         self.config = config
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.tree = RadixTree(config.block_size) if config.enable_prefix_caching else None
-        self.rng = random.Random(config.seed)  # scheduling_policy="random"'s shuffles
+        self.order_waiting = WaitingOrder(config.scheduling_policy, config.seed)  # policies.py
         self.waiting: deque[Sequence] = deque()
         self.by_id: dict[str, Sequence] = {}  # the unfinished requests, found by id without a scan
         self.running: list[Sequence] = []  # in admission order
@@ -97,8 +95,7 @@ class Scheduler:
                 queue.remove(victim)
             else:
                 budget -= self._take(batch, seq, num_new)
-        self.waiting = order_waiting(self.waiting, self.config.scheduling_policy, self.tree, self.rng,
-                                     self.config.max_model_len)  # fcfs, lpm, dfs-weight, lof, random (policies.py)
+        self.waiting = self.order_waiting(self.waiting, self.tree, self.config.max_model_len)  # scheduling_policy
         # Admit waiting requests while their first chunk's blocks are free and one more block per running
         # request stays free, room for everyone to grow (never right after a preemption). A finishing request
         # gives up its place at once, as in m5: the steps of the one admitted instead run after its last.
