@@ -19,9 +19,10 @@ CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
     # continuous batching: a scheduler with budgets, a packed forward, one KV slot per request
     "m2": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "step.py"},
-    # paged attention: a block manager, block tables and slot mapping, preemption
+    # paged attention: a block manager, block tables and slot mapping, preemption; what admission holds back (a block
+    # of headroom, or SGLang's reservation and retraction)
     "m3": {"__init__.py", "config.py", "scheduler.py", "model_runner.py", "attention.py", "block_manager.py",
-           "step.py"},
+           "step.py", "admission.py"},
     # radix prefix cache: a radix tree, reference-counted blocks, match/insert/evict in the scheduler, a request's
     # n samples sharing its prompt; the scheduling policies (fcfs, lpm, dfs-weight, lof, random)
     "m4": {"__init__.py", "config.py", "scheduler.py", "block_manager.py", "radix_tree.py", "engine.py", "sequence.py",

@@ -36,11 +36,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 FLAG = Kind(lambda v: isinstance(v, bool), "True or False")
 FLAG_OR_AUTO = Kind(lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
 INTEGER = Kind(_is_int, "an integer")
 POSITIVE = Kind(lambda v: _is_int(v) and v >= 1, "a positive integer")
 POSITIVE_OR_NONE = Kind(lambda v: v is None or (_is_int(v) and v >= 1), "a positive integer, or None")
+FRACTION = Kind(lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]")
+RATIO_OR_NONE = Kind(lambda v: v is None or (_is_number(v) and 0 < v <= 1), "a number in (0, 1], or None")
 PATH_OR_NONE = Kind(lambda v: v is None or isinstance(v, (str, os.PathLike)), "a path (a string), or None")
 
 

@@ -45,6 +45,7 @@ from .rows import (
     median_of_runs,
     median_run,
     new_row,
+    percentile,
 )
 from .workloads import Setup
 
@@ -272,8 +273,17 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     tracer = getattr(engine, "tracer", None)  # m6: the share of host work hidden inside forwards, from its trace
     if tracer is not None:
         tracer.enabled, tracer.events = True, []
+    seen: dict[str, tuple[int, float]] = {}  # request id -> (its output tokens, when the latest came)
+    gaps: list[float] = []  # every output token's wait since the request's previous one
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outputs, now = engine.step(), time.perf_counter()
+        for out in outputs:
+            count, since = seen.get(out.request_id, (0, None))
+            if len(out.outputs[0].token_ids) > count:
+                new = len(out.outputs[0].token_ids) - count  # more than one when m7's guesses are kept
+                if since is not None:
+                    gaps += [(now - since) / new] * new
+                seen[out.request_id] = (count + new, now)
             if out.finished:
                 finished[out.request_id] = out
         if getattr(engine, "pending", None):  # m6: a step computes meanwhile, so the clock runs on
@@ -300,9 +310,14 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     cached = sum(getattr(o, "num_cached_tokens", 0) for o in outs)  # only m4's outputs count cached prompt tokens
     itls = [inter_token_latency(o.metrics.first_token_time, o.metrics.last_token_time, len(o.outputs[0].token_ids))
             for o in outs]
+    ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None]
+    refusals = {k.removeprefix("refused_"): v for k, v in peaks.last.items() if k.startswith("refused_")}
     return new_row(workload, row.name, "milestone", num_requests=len(outs), output_tokens=n_out, wall_s=wall,
                    prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - cached,
                    max_running=peaks.most_running, num_preemptions=peaks.last.get("num_preemptions"),
+                   num_preempted_tokens=peaks.last.get("num_preempted_tokens"), refusals=refusals or None,
+                   ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
+                   itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
                    prefix_hit_rate=peaks.last.get("prefix_hit_rate"), output_tokens_per_s=n_out / wall,
                    ttft_mean_s=mean([o.metrics.time_to_first_token for o in outs]), itl_mean_s=mean(itls),
                    kv_peak_mb=peaks.used_bytes / MB, kv_reserved_mb=peaks.reserved_bytes / MB,

@@ -47,6 +47,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "fp32": ("dtype", "float32"),
     "gguf": ("quantization", "gguf"),  # the bundled file's own Q4_1/Q8_0 blocks, kept (CPU, float32)
     "int8": ("quantization", "int8"),  # per-channel int8 weights, made at load (CPU, float32)
+    "reserve": ("new_token_ratio", 0.7),  # m3 on: SGLang's reservation and retraction, from SGLang's first ratio
 }
 
 
@@ -153,6 +154,14 @@ def mean(values: Sequence[float | None]) -> float | None:
 def median(values: Sequence[float | None]) -> float | None:
     known = [x for x in values if x is not None]
     return statistics.median(known) if known else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of the values, nearest rank; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-len(ordered) * q // 100) - 1))]
 
 
 def inter_token_latency(first: float | None, last: float | None, num_tokens: int) -> float | None:

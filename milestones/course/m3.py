@@ -45,25 +45,29 @@ STEPS: tuple[Step, ...] = (
                    "read the blocks of the tables, in order, out of cache [kv_heads, num_blocks, block_size, "
                    "dim] into one run of keys (or values): `[kv_heads, len(tables) * block_size, dim]`.",
                    how="one copy: `index_select` on the block dimension, then a view."))),
-    Step("scheduler: admission and preemption", ("tests/m3/test_scheduler.py",),
+    Step("scheduler: admission and preemption", ("tests/m3/test_scheduler.py", "tests/m3/test_admission.py"),
          "admission is first come, first served and needs the first chunk's blocks plus one free block per "
          "request already running (not the newcomer), none after a preemption; the victim is the latest admitted "
-         "request not yet scheduled (else the request itself, then left out of the step), sent to the front",
+         "request not yet scheduled (else the request itself, then left out of the step), sent to the front; "
+         "under new_token_ratio, SGLang's retraction before the step (admission.py, given)",
          (Exercise("scheduler.py", "schedule", ("Scheduler.schedule",),
                    "m2's plan over blocks: decodes first, then unfinished prefills, each with "
-                   "`min(tokens left, budget left)`. While a request's table cannot grow to "
+                   "`min(tokens left, budget left)`, after `preempted = self._retract(queue, budget)` (SGLang's "
+                   "retraction, given; False under the default rule). While a request's table cannot grow to "
                    "`num_computed_tokens + num_new` tokens, preempt through `self._preempt(victim)` (the tests "
                    "patch it to record victims): the most recently admitted running request not yet scheduled in "
                    "this step, or else the request itself, which is then not scheduled. Then admit from the front "
-                   "of the queue, within max_num_seqs and the budget as in m2 (RUNNING, appended to self.running, "
-                   "then taken), while `new blocks of its first chunk + len(self.running) <= free blocks` (the "
-                   "newcomer is not counted), stopping at the first that does not fit, and nobody in a step that "
-                   "preempted. Return None if nothing is scheduled.",
+                   "of the queue (RUNNING, appended to self.running and to a set of this step's admissions, then "
+                   "taken) while `self.admission.refused(budget, preempted, len(self.running))` is False and "
+                   "`self.admission.no_room(seq, num_new, self.running, admitted, tables, self._available())` is "
+                   "False: admission.py holds both rules (by default, the first chunk's new blocks + "
+                   "len(self.running) <= free blocks, the newcomer not counted), stopping at the first that does "
+                   "not fit. Return None if nothing is scheduled.",
                    how="a queue, self.running sorted decodes first; pop its front; `while not "
                    "self.block_manager.can_grow(...)`: the victim is `max(queue, key=self.running.index)`, or "
                    "the request itself when the queue is empty (then break); a while/else takes the request when "
-                   "no break happened. Admission peeks at `self.waiting[0]` and asks "
-                   "`self.block_manager.num_new_blocks` for its first chunk."),
+                   "no break happened. Admission peeks at `self.waiting[0]`; tables are "
+                   "`self.block_manager.block_tables`."),
           Exercise("scheduler.py", "schedule", ("Scheduler._take",),
                    "schedule num_new tokens of seq: seq, num_new and its table, grown to hold "
                    "`seq.num_computed_tokens + num_new` tokens, go into the batch's three lists; return num_new, "
@@ -72,7 +76,8 @@ STEPS: tuple[Step, ...] = (
           Exercise("scheduler.py", "schedule", ("Scheduler._preempt",),
                    "recompute later: seq leaves self.running, its blocks are freed, its num_computed_tokens is 0 "
                    "and its status WAITING; it goes to the front of the waiting queue (it is readmitted first), "
-                   "and self.num_preemptions counts it (the KV report shows it).",
+                   "self.num_preemptions counts it and self.num_preempted_tokens the computed tokens it loses (the "
+                   "KV report shows both).",
                    how="`self.block_manager.free(seq.request_id)`; `self.waiting.appendleft(seq)`."))),
     Step("the engine, the same tokens as m2", ("tests/m3/test_vs_m2.py",),
          "an integrity message (every batch is checked as it is scheduled, the bookkeeping after every step) "

@@ -6,16 +6,20 @@ order, under ``max_num_seqs`` and ``max_num_batched_tokens``. What changes is
 memory: a request holds only the blocks its tokens fill, taken from the block
 manager as it grows.
 
-* Admission by free blocks: a waiting request joins only if its next chunk's
-  blocks are free now, with one block per running request left over. Without
-  that headroom the pool fills with new prompts and the running requests,
-  growing a block every ``block_size`` tokens, are soon preempted, each losing
-  all its work (the benchmarks page measures how many).
+* Admission by free blocks: a waiting request joins only if what it is charged
+  fits in the free blocks the running requests do not hold back (``admission.py``).
+  By default its first chunk's blocks must fit with one block per running request
+  left over. Without that headroom the pool fills with new prompts and the running
+  requests, growing a block every ``block_size`` tokens, are soon preempted, each
+  losing all its work (the benchmarks page measures how many). ``new_token_ratio``
+  switches to SGLang's reservation: the whole prompt and the output are charged.
 * Preemption by recompute: when a running request cannot get a block, the victim
   is the most recently admitted running request not yet scheduled in this step
   (the request itself if there is none). The victim's blocks are freed, it goes
   back to the front of the waiting queue, and when readmitted it recomputes its
   prompt *and* the tokens it had generated, then carries on where it stopped.
+  Under SGLang's reservation requests are retracted before the step instead, the
+  fewest output tokens first, so that the step never runs short.
 * A request that could not fit even in an empty pool is refused when added.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from .admission import RETRACT_DECODE_STEPS, Admission
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus, check_sequences
 from .step import ScheduledBatch
@@ -39,7 +44,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.by_id: dict[str, Sequence] = {}  # the unfinished requests, found by id without a scan
         self.running: list[Sequence] = []  # in admission order
+        self.admission = Admission.from_config(config)  # new_token_ratio: what admission holds back
         self.num_preemptions = 0
+        self.num_preempted_tokens = 0  # computed tokens whose keys and values a preemption threw away
 
     def add(self, seq: Sequence) -> None:
         longest = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len - seq.num_prompt_tokens)
@@ -62,7 +69,7 @@ class Scheduler:
         batch = ScheduledBatch([], [], [])
         # Decodes (one token left to compute) first, then unfinished prefills; admission order within each.
         queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
-        preempted = False
+        preempted = self._retract(queue, budget)  # SGLang's reservation: give back before the step, not during it
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -75,17 +82,19 @@ class Scheduler:
                 queue.remove(victim)
             else:
                 budget -= self._take(batch, seq, num_new)
-        # Admit waiting requests while their first chunk's blocks are free and one more block per running
-        # request stays free, room for everyone to grow (never right after a preemption).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        # Admit waiting requests in order while what each is charged fits in the free blocks the running requests
+        # do not hold back (admission.py); the first that does not fit waits, and so does everyone behind it.
+        admitted: set[Sequence] = set()
+        while self.waiting and not self.admission.refused(budget, preempted, len(self.running)):
             seq = self.waiting[0]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            needed = self.block_manager.num_new_blocks(seq.request_id, seq.num_computed_tokens + num_new)
-            if needed + len(self.running) > self.block_manager.num_free_blocks:
+            if self.admission.no_room(seq, num_new, self.running, admitted, self.block_manager.block_tables,
+                                      self._available()):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            admitted.add(seq)
             budget -= self._take(batch, seq, num_new)
         return batch if batch.seqs else None
 
@@ -100,11 +109,34 @@ class Scheduler:
         """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
+        self.num_preempted_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
     # --8<-- [end:schedule]
+
+    # --8<-- [start:admission]
+    def _available(self) -> int:
+        """Blocks a request can be given now."""
+        return self.block_manager.num_free_blocks
+
+    def _retract(self, queue: list[Sequence], budget: int) -> bool:
+        """SGLang's retraction (admission.py): if the step's tokens do not fit, send back the request with the fewest
+        output tokens until the rest fit with RETRACT_DECODE_STEPS tokens of room each. True if any went back."""
+        if not self.admission.reserves:
+            return False
+        tables, retracted = self.block_manager.block_tables, False
+        if self.admission.shortfall(queue, budget, 0, tables, self._available()) > 0:
+            while len(queue) > 1 and self.admission.shortfall(queue, budget, RETRACT_DECODE_STEPS, tables,
+                                                              self._available()) > 0:
+                victim = self.admission.victim(queue)
+                queue.remove(victim)
+                self._preempt(victim)
+                retracted = True
+        self.admission.after_step(queue, retracted)
+        return retracted
+    # --8<-- [end:admission]
 
     def finish(self, seq: Sequence) -> None:
         """Forget a finished (or aborted) sequence and return its blocks at once."""

@@ -1,8 +1,8 @@
 """Decide what runs in the next step. m4: continuous batching over a paged pool with a prefix cache.
 
-Plain Python (no torch). Scheduling is m3's (admission by free blocks with one
-block of headroom per running request, preemption by recompute); what changes is
-where blocks come from.
+Plain Python (no torch). Scheduling is m3's (admission under ``admission.py``'s
+rule, preemption by recompute or SGLang's retraction); what changes is where
+blocks come from.
 
 * Match at admission: a waiting request first looks up the longest cached prefix
   of its tokens in the radix tree. Those blocks start its block table and count
@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from .admission import RETRACT_DECODE_STEPS, Admission
 from .block_manager import BlockManager
 from .policies import WaitingOrder
 from .radix_tree import Node, RadixTree, path_blocks
@@ -44,7 +45,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order
         self.locked: dict[str, Node] = {}  # request id -> the deepest tree node it locks
         self.locked_tokens: dict[str, int] = {}  # request id -> the tokens from the root to that node
+        self.admission = Admission.from_config(config)  # new_token_ratio: what admission holds back
         self.num_preemptions = 0
+        self.num_preempted_tokens = 0  # computed tokens whose keys and values a preemption threw away
         self.num_prompt_tokens = 0  # tokens needing KV at admission, summed over admissions
         self.num_cached_tokens = 0  # of those, found in the prefix cache
 
@@ -71,7 +74,7 @@ class Scheduler:
         batch = ScheduledBatch([], [], [])
         # Decodes (one token left to compute) first, then unfinished prefills; admission order within each.
         queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
-        preempted = False
+        preempted = self._retract(queue, budget)  # SGLang's reservation: give back before the step, not during it
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -85,18 +88,22 @@ class Scheduler:
             else:
                 budget -= self._take(batch, seq, num_new)
         self.waiting = self.order_waiting(self.waiting, self.tree, self.config.max_model_len)  # scheduling_policy
-        # Admit waiting requests while their first chunk's blocks are free and one more block per running
-        # request stays free, room for everyone to grow (never right after a preemption).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        # Admit waiting requests in order while what each is charged fits in the blocks the running requests do not
+        # hold back (admission.py), cached blocks no request locks included; the first that does not fit waits.
+        admitted: set[Sequence] = set()
+        while self.waiting and not self.admission.refused(budget, preempted, len(self.running)):
             seq = self.waiting[0]
             self._match(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, seq.num_computed_tokens + num_new, headroom=len(self.running)):
+            if self.admission.no_room(seq, num_new, self.running, admitted, self.block_manager.block_tables,
+                                      self._available()):
                 self._release(seq)
                 break
+            self._make_room(seq, seq.num_computed_tokens + num_new)  # evicts what its first chunk needs, if any
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            admitted.add(seq)
             self.num_prompt_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
             budget -= self._take(batch, seq, num_new)
@@ -136,13 +143,13 @@ class Scheduler:
         self.locked[seq.request_id] = node
         self.locked_tokens[seq.request_id] = num_blocks * self.config.block_size
 
-    def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
-        """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Can the sequence hold ``num_tokens`` tokens?
 
         Evicts unlocked cached blocks if that is what it takes, and only if it is enough:
         a request that will not fit anyway leaves the cache alone.
         """
-        needed = self.block_manager.num_new_blocks(seq.request_id, num_tokens) + headroom
+        needed = self.block_manager.num_new_blocks(seq.request_id, num_tokens)
         missing = needed - self.block_manager.num_free_blocks
         if missing > 0 and self.tree is not None and missing <= self.tree.num_evictable_blocks:
             for block in self.tree.evict(missing):
@@ -168,11 +175,34 @@ class Scheduler:
         """Free the sequence's blocks and send it back to the front of the queue, to be recomputed."""
         self._cache(seq)  # what it computed stays in the cache, so readmission is mostly a hit
         self.running.remove(seq)
+        self.num_preempted_tokens += seq.num_computed_tokens
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
     # --8<-- [end:schedule]
+
+    # --8<-- [start:admission]
+    def _available(self) -> int:
+        """Blocks a request can be given now: the free ones and the cached ones no request locks (evicted on demand)."""
+        return self.block_manager.num_free_blocks + (self.tree.num_evictable_blocks if self.tree is not None else 0)
+
+    def _retract(self, queue: list[Sequence], budget: int) -> bool:
+        """SGLang's retraction (admission.py): if the step's tokens do not fit, send back the request with the fewest
+        output tokens until the rest fit with RETRACT_DECODE_STEPS tokens of room each. True if any went back."""
+        if not self.admission.reserves:
+            return False
+        tables, retracted = self.block_manager.block_tables, False
+        if self.admission.shortfall(queue, budget, 0, tables, self._available()) > 0:
+            while len(queue) > 1 and self.admission.shortfall(queue, budget, RETRACT_DECODE_STEPS, tables,
+                                                              self._available()) > 0:
+                victim = self.admission.victim(queue)
+                queue.remove(victim)
+                self._preempt(victim)
+                retracted = True
+        self.admission.after_step(queue, retracted)
+        return retracted
+    # --8<-- [end:admission]
 
     def finish(self, seq: Sequence) -> None:
         """Cache what a finished (or aborted) sequence computed, then return its blocks at once."""

@@ -32,6 +32,10 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
+    new_token_ratio: float | None = None  # None: a block of headroom per running request; a float (SGLang starts at
+    #                                       0.7): SGLang's reservation of that share of each running request's output
+    min_new_token_ratio: float = 0.1  # SGLang's reservation: the ratio decays to this while no request is retracted,
+    new_token_ratio_decay: float = 0.001  # by this much a step
     enable_prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     scheduling_policy: str = "fcfs"  # "fcfs": arrival order; "lpm", "dfs-weight", "lof", "random": policies.py
     enforce_eager: bool = False  # True: never capture, every step runs eagerly as in m4
@@ -99,6 +103,9 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "block_size": options.POSITIVE,
     "num_kv_blocks": options.POSITIVE_OR_NONE,  # None: as many as kv_cache_memory_bytes holds
     "kv_cache_memory_bytes": options.POSITIVE_OR_NONE,
+    "new_token_ratio": options.RATIO_OR_NONE,  # None: a block of headroom (admission.py)
+    "min_new_token_ratio": options.FRACTION,
+    "new_token_ratio_decay": options.FRACTION,
     "enable_prefix_caching": options.FLAG,
     "scheduling_policy": options.one_of(*POLICIES),
     "enforce_eager": options.FLAG,

@@ -28,6 +28,11 @@ def kv_usage(scheduler: Any, runner: Any) -> dict[str, int | float]:
         usage["blocks_cached"] = len(cached)
     usage["blocks_free"] = blocks.num_free_blocks
     usage["num_preemptions"] = scheduler.num_preemptions
+    usage["num_preempted_tokens"] = scheduler.num_preempted_tokens
+    admission = scheduler.admission  # why waiting requests waited: steps that admitted no more, by reason
+    usage |= {f"refused_{reason}": count for reason, count in admission.refusals.items()}
+    if admission.new_token_ratio is not None:
+        usage["new_token_ratio"] = admission.new_token_ratio
     if has_tree:
         usage["prefix_hit_rate"] = scheduler.num_cached_tokens / max(1, scheduler.num_prompt_tokens)
     return usage

@@ -38,6 +38,19 @@ def test_m3_matches_m2_under_heavy_preemption(tiny_model_path, workload, referen
     llm.engine.scheduler.block_manager.check_integrity()
 
 
+@pytest.mark.parametrize("block_size, num_blocks", [(16, 12), (7, 25)])
+def test_m3_with_sglangs_reservation_matches_m2(tiny_model_path, workload, reference, block_size, num_blocks):
+    """SGLang's admission changes when requests run, never their tokens: a low ratio that decays fast, so the pool
+    runs short and requests are retracted before steps (admission.py)."""
+    llm = m3.LLM(tiny_model_path, block_size=block_size, num_kv_blocks=num_blocks, new_token_ratio=0.2,
+                 min_new_token_ratio=0.01, new_token_ratio_decay=0.05, **LIMITS)
+    assert_same_outputs(run(m3, llm, *workload), reference)
+    usage = llm.engine.kv_usage()
+    assert usage["num_preemptions"] >= 2 and usage["refused_blocks"] > 0, usage
+    assert usage["blocks_free"] == num_blocks
+    llm.engine.scheduler.check_integrity()
+
+
 @needs_compiler
 def test_m3_with_the_compiled_kernel_matches_m2(tiny_model_path, workload, reference):
     """Decodes read their blocks in place through padded block tables, under preemption and an odd block size."""

@@ -9,6 +9,9 @@ import pytest
 from milestones import m3, m4
 from tests.chain import LIMITS, assert_same_outputs, completions, mixed_workload, run
 
+# SGLang's admission (admission.py), its ratio low and decaying fast, so that requests are retracted
+SGLANG = dict(new_token_ratio=0.2, min_new_token_ratio=0.01, new_token_ratio_decay=0.05)
+
 
 def shared_prefix_workload(num_requests: int, prefix_len: int, seed: int):
     """One long 'system prompt' followed by a different short question per request; mixed sampling."""
@@ -175,6 +178,16 @@ def test_trap_tiny_pool_interleaves_eviction_and_preemption(tiny_model_path, mix
     assert_same_outputs(run(m4, llm, *mixed), mixed_reference)
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] >= 5 and usage["prefix_hit_rate"] > 0
+    checked(llm)
+
+
+def test_sglangs_reservation_retracts_evicts_and_matches_m3(tiny_model_path, mixed, mixed_reference):
+    """SGLang's admission (admission.py) in a tiny pool: the cached blocks no request locks count as room, evicted
+    as they are needed, and requests are retracted before steps; the order of work changes, never a token."""
+    llm = m4.LLM(tiny_model_path, **LIMITS, block_size=16, num_kv_blocks=12, **SGLANG)
+    assert_same_outputs(run(m4, llm, *mixed), mixed_reference)
+    usage = llm.engine.kv_usage()
+    assert usage["num_preemptions"] >= 2 and usage["prefix_hit_rate"] > 0 and usage["refused_blocks"] > 0, usage
     checked(llm)
 
 

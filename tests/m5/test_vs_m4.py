@@ -20,6 +20,9 @@ from tests.m4.test_vs_m3 import shared_prefix_workload
 pytestmark = needs_compiler  # torch.compile on a CPU builds C++
 SIZES = [1, 2, 4]  # a batch of 3 is padded to 4; a batch of 5 runs eagerly
 
+# SGLang's admission (admission.py), its ratio low and decaying fast, so that requests are retracted
+SGLANG = dict(new_token_ratio=0.2, min_new_token_ratio=0.01, new_token_ratio_decay=0.05)
+
 
 @pytest.fixture(scope="module")
 def captured(tiny_model_path):
@@ -55,17 +58,21 @@ def test_m5_matches_m4_on_a_mixed_workload(tiny_model_path, captured, mixed):
     checked(captured)
 
 
-def test_m5_matches_m4_with_preemption_and_prefix_hits(tiny_model_path):
+@pytest.mark.parametrize("admission", [{}, SGLANG], ids=["headroom", "sglang"])
+def test_m5_matches_m4_with_preemption_and_prefix_hits(tiny_model_path, admission):
     prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=5)
     settings = [dict(s, max_tokens=30) for s in settings]  # long decodes, so steps of decodes alone happen
-    tight = dict(LIMITS, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
+    tight = dict(LIMITS, num_kv_blocks=30, block_size=8, **admission)  # too few blocks for everyone: preemption
     reference = run(m4, m4.LLM(tiny_model_path, **tight), prompts, settings)
     llm = m5.LLM(tiny_model_path, cudagraph_capture_sizes=SIZES, **tight)
     assert_same_outputs(run(m5, llm, prompts, settings), reference)
     usage = llm.engine.kv_usage()
     assert usage["num_preemptions"] > 0 and usage["prefix_hit_rate"] > 0
     stats = llm.engine.graph_stats()
-    assert stats["replays"] > 0 and stats["padded_rows"] > 0, stats
+    assert stats["replays"] > 0, stats
+    # the headroom's schedule has decode steps between the captured sizes, replayed padded; the reservation's decodes
+    # only at captured sizes or above the largest (eager), so it pads nothing
+    assert stats["padded_rows"] > 0 or admission, stats
     checked(llm)
 
 

@@ -23,6 +23,9 @@ from tests.m4.test_vs_m3 import shared_prefix_workload
 
 EAGER = dict(LIMITS, enforce_eager=True)
 
+# SGLang's admission (admission.py), its ratio low and decaying fast, so that requests are retracted
+SGLANG = dict(new_token_ratio=0.2, min_new_token_ratio=0.01, new_token_ratio_decay=0.05)
+
 
 @pytest.fixture(scope="module")
 def mixed():
@@ -60,11 +63,12 @@ def test_m6_matches_m5_with_the_decode_step_captured(tiny_model_path, mixed, mix
         assert stats["replays"] > 0 and stats["padded_rows"] > 0 and stats["eager_steps"] > 0, stats
 
 
+@pytest.mark.parametrize("admission", [{}, SGLANG], ids=["headroom", "sglang"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_m6_matches_m5_with_preemption_and_prefix_hits(tiny_model_path, async_scheduling):
+def test_m6_matches_m5_with_preemption_and_prefix_hits(tiny_model_path, async_scheduling, admission):
     prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=5)
     settings = [dict(s, max_tokens=30) for s in settings]
-    tight = dict(EAGER, num_kv_blocks=30, block_size=8)  # too few blocks for everyone: preemption
+    tight = dict(EAGER, num_kv_blocks=30, block_size=8, **admission)  # too few blocks for everyone: preemption
     reference = run(m5, m5.LLM(tiny_model_path, **tight), prompts, settings)
     with m6.LLM(tiny_model_path, async_scheduling=async_scheduling, **tight) as llm:
         assert_same_outputs(stepped(llm.engine, m6.SamplingParams, prompts, settings).completions, reference)

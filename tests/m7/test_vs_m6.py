@@ -33,6 +33,9 @@ from tests.m7.conftest import SMALL_VOCAB
 LIMITS = dict(CHAIN_LIMITS, enforce_eager=True)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
+# SGLang's admission (admission.py), its ratio low and decaying fast, so that requests are retracted
+SGLANG = dict(new_token_ratio=0.2, min_new_token_ratio=0.01, new_token_ratio_decay=0.05)
+
 
 @dataclasses.dataclass(frozen=True)
 class OracleProposer(NgramProposer):
@@ -96,7 +99,8 @@ def assert_guessed_both_ways(llm):
     dict(),  # the pool as m6 sizes it, prefix caching on
     dict(enable_prefix_caching=False),
     dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and speculate again
-], ids=["default", "no-prefix-cache", "tight-pool"])
+    dict(num_kv_blocks=24, block_size=4, **SGLANG),  # and retracted, SGLang's way
+], ids=["default", "no-prefix-cache", "tight-pool", "tight-pool-sglang"])
 def test_m7_matches_m6(tiny_model_path, workload, reference, options):
     with speculating(m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=NGRAM), workload[0],
                      reference) as llm:
