@@ -79,23 +79,35 @@ def run_policy(policy: str, prompts: list[list[int]], pool: tuple[int, int], arg
             "tokens": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+COMMAND = "python examples/scheduling_policies.py"
+POOL_NAMES = {"tight": ("tight", "紧张的池"), "roomy": ("roomy", "宽松的池")}  # English, then the zh page's
+
+
 def write_markdown(args, tables: dict[str, list[dict]]) -> None:
-    """Both tables, between the snippet markers the m4 chapter includes, with the machine and the command."""
-    lines = ["<!-- --8<-- [start:table] -->",
-             f"`python examples/scheduling_policies.py` on {machine()}, "
-             f"{time.strftime('%Y-%m-%d')} (the times are one run's, the token counts the same on every run):", ""]
-    for name, rows in tables.items():
-        pool_of = args.tight if name == "tight" else args.roomy
-        fcfs = next((r for r in rows if r["policy"] == "fcfs"), rows[0])
-        lines += [f"| {name} pool ({pool_of[0]} blocks, {pool_of[1]} at a time) | prompt tokens computed | vs fcfs "
-                  "| preemptions | TTFT median, longest (s) | output tok/s |", "|---|---|---|---|---|---|"]
-        lines += [f"| `{r['policy']}` | {r['computed_prompt_tokens']} of {r['prompt_tokens']} | "
-                  f"{r['computed_prompt_tokens'] / fcfs['computed_prompt_tokens']:.2f}x | {r['preemptions']} | "
-                  f"{r['ttft_p50_s']:.2f}, {r['ttft_max_s']:.2f} | {r['output_tokens_per_s']:.1f} |" for r in rows]
-        lines.append("")
-    lines.append("<!-- --8<-- [end:table] -->")
+    """Both tables, between the snippet markers the m4 chapter includes ("table", and "table_zh" for the zh page),
+    with the machine and the command."""
+    date, lines = time.strftime("%Y-%m-%d"), []
+    for zh in (False, True):
+        lines += [f"<!-- --8<-- [start:table{'_zh' if zh else ''}] -->",
+                  f"`{COMMAND}`，运行于 {machine()}，{date}（时间取自一次运行，token 数每次运行都相同）：" if zh else
+                  f"`{COMMAND}` on {machine()}, {date} (the times are one run's, the token counts the same on every "
+                  "run):", ""]
+        for name, rows in tables.items():
+            blocks, at_once = args.tight if name == "tight" else args.roomy
+            fcfs = next((r for r in rows if r["policy"] == "fcfs"), rows[0])
+            lines.append(f"| {POOL_NAMES[name][1]}（{blocks} 个块，一次 {at_once} 个） | 计算的提示词 token "
+                         "| 相对 fcfs | 抢占 | TTFT 中位数、最长（s） | 输出 tok/s |" if zh else
+                         f"| {name} pool ({blocks} blocks, {at_once} at a time) | prompt tokens computed | vs fcfs "
+                         "| preemptions | TTFT median, longest (s) | output tok/s |")
+            lines.append("|---|---|---|---|---|---|")
+            of = " / " if zh else " of "
+            lines += [f"| `{r['policy']}` | {r['computed_prompt_tokens']}{of}{r['prompt_tokens']} | "
+                      f"{r['computed_prompt_tokens'] / fcfs['computed_prompt_tokens']:.2f}x | {r['preemptions']} | "
+                      f"{r['ttft_p50_s']:.2f}, {r['ttft_max_s']:.2f} | {r['output_tokens_per_s']:.1f} |" for r in rows]
+            lines.append("")
+        lines += [f"<!-- --8<-- [end:table{'_zh' if zh else ''}] -->", ""]
     with open(args.markdown, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines))
 
 
 def main() -> None:
@@ -110,7 +122,8 @@ def main() -> None:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the rows as JSON here")
-    p.add_argument("--markdown", default=None, help="write the tables as a docs snippet (section 'table') here")
+    p.add_argument("--markdown", default=None,
+                   help="write the tables as a docs snippet (sections 'table', 'table_zh') here")
     args = p.parse_args()
     prompts = interleaved_prefixes(args)
     print(f"interleaved prefixes: {args.groups} groups x {args.per_group} requests, prefixes of {args.prefix_len} "

@@ -6,7 +6,8 @@ Every English page of mkdocs.yml's nav, but for the measurement log and the note
 * the same headings, at the same levels, with the same ids, in the same order (a zh heading keeps the English
   heading's id with ``{ #id }``, so a link to ``m3.md#block-tables`` lands in either edition);
 * the same snippet includes (``--8<--``), diff markers (``<!-- diff ... -->``) and images (the same files; an image's
-  alt text is prose, translated), in the same order;
+  alt text is prose, translated), in the same order; a generated table written in both languages is included as
+  section ``NAME`` on the English page and ``NAME_zh`` on the zh one;
 * the same fenced blocks (code, commands, diagrams), character for character: code is shared, never translated;
 * the same figures in each section (numbers from 10 up and decimals, a count of millions in either language's unit).
 
@@ -98,6 +99,12 @@ def headings(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def same_section(include: str) -> str:
+    """An include as both editions must have it: a snippet section ``NAME_zh`` (a generated table's zh edition) is
+    ``NAME``'s."""
+    return re.sub(r'_zh"$', '"', include.strip())
+
+
 def read(path: Path) -> Page:
     text = path.read_text(encoding="utf-8")
     shared, fences, prose, block, sections = [], [], [], [], [[]]
@@ -110,14 +117,14 @@ def read(path: Path) -> Page:
                 fence, body = None, []
             else:
                 body.append(line[len(fence[0]):] if line.startswith(fence[0]) else line.lstrip())
-                shared += [m.group(0).strip() for m in SHARED_LINE.finditer(line) if "--8<--" in m.group(0)]
+                shared += [same_section(m.group(0)) for m in SHARED_LINE.finditer(line) if "--8<--" in m.group(0)]
             continue
         opened = FENCE.match(line)
         if opened:
             fence = (opened.group(1), opened.group(2))
             body = [line.strip()]  # the opening line keeps the language and options
             continue
-        shared += [m.group(0).strip() for m in SHARED_LINE.finditer(line)]
+        shared += [same_section(m.group(0)) for m in SHARED_LINE.finditer(line)]
         stripped = line.strip()
         if stripped.startswith("#"):
             sections.append([])
