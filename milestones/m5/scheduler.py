@@ -99,7 +99,9 @@ class Scheduler:
                                       self._available()):
                 self._release(seq)
                 break
-            self._make_room(seq, seq.num_computed_tokens + num_new)  # evicts what its first chunk needs, if any
+            # evict what its first chunk needs and what the running requests hold back: free blocks, not cached ones
+            self._make_room(seq, seq.num_computed_tokens + num_new,
+                            headroom=self.admission.held(self.running, admitted, self.block_manager.block_tables))
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -143,13 +145,13 @@ class Scheduler:
         self.locked[seq.request_id] = node
         self.locked_tokens[seq.request_id] = num_blocks * self.config.block_size
 
-    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
-        """Can the sequence hold ``num_tokens`` tokens?
+    def _make_room(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> bool:
+        """Can the sequence hold ``num_tokens`` tokens with ``headroom`` blocks still free afterwards?
 
         Evicts unlocked cached blocks if that is what it takes, and only if it is enough:
         a request that will not fit anyway leaves the cache alone.
         """
-        needed = self.block_manager.num_new_blocks(seq.request_id, num_tokens)
+        needed = self.block_manager.num_new_blocks(seq.request_id, num_tokens) + headroom
         missing = needed - self.block_manager.num_free_blocks
         if missing > 0 and self.tree is not None and missing <= self.tree.num_evictable_blocks:
             for block in self.tree.evict(missing):

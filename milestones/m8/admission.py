@@ -87,11 +87,15 @@ class Admission:
             self.refusals[reason] += 1
         return reason is not None
 
+    def held(self, running: list[Sequence], admitted: set[Sequence], tables: dict[str, list[int]]) -> int:
+        """Blocks the ``running`` requests hold back from newcomers, those ``admitted`` in this step in full."""
+        return sum(self.held_back(s, len(tables[s.request_id]), 1.0 if s in admitted else None) for s in running)
+
     def no_room(self, seq: Sequence, num_new: int, running: list[Sequence], admitted: set[Sequence],
                 tables: dict[str, list[int]], available: int) -> bool:
         """What the request is charged exceeds the ``available`` blocks that the ``running`` requests (those that may
         still grow) do not hold back; those ``admitted`` in this step hold back their whole charge. Counted."""
-        held = sum(self.held_back(s, len(tables[s.request_id]), 1.0 if s in admitted else None) for s in running)
+        held = self.held(running, admitted, tables)
         if self.charge(seq, num_new, len(tables.get(seq.request_id, ()))) <= available - held:
             return False
         self.refusals["blocks"] += 1
