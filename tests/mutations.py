@@ -168,10 +168,24 @@ CATALOGUE = (
     ),
     Mutation(
         "m2-decodes-out-of-arrival-order", "milestones/m2/scheduler.py",
-        "for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):",
-        "for seq in sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.num_tokens)):",
+        "queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)",
+        "queue = sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.num_tokens))",
         ("tests/m2/test_scheduler.py::test_decodes_keep_arrival_order_whatever_their_length",),
         "the running requests are sorted by length as well, so arrival order is lost within the decodes",
+    ),
+    Mutation(
+        "m2-prefill-first-holds-nothing-back", "milestones/m2/scheduler.py",
+        "        return [seq for seq in queue if seq.num_tokens - seq.num_computed_tokens == 1]",
+        "        return []",
+        ("tests/m2/test_scheduler.py::test_prefill_first_holds_the_decodes_back_while_a_prefill_runs",),
+        "batch_shape='prefill-first' is accepted but every step is mixed: the decodes share the prefill's budget",
+    ),
+    Mutation(
+        "m3-prefill-first-decodes-never-run", "milestones/m3/scheduler.py",
+        "        if not batch.seqs:  # no prefill to run: the decodes held back make the step\n",
+        "        if False:  # no prefill to run: the decodes held back make the step\n",
+        ("tests/m3/test_vs_m2.py::test_m3_with_prefill_first_steps_matches_m2",),
+        "under prefill-first the held-back decodes never get a step: requests stop once their prompt is in",
     ),
     Mutation(
         "m1-prompt-logprobs-score-the-token-read", "milestones/serving/step_records.py",

@@ -48,6 +48,7 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "gguf": ("quantization", "gguf"),  # the bundled file's own Q4_1/Q8_0 blocks, kept (CPU, float32)
     "int8": ("quantization", "int8"),  # per-channel int8 weights, made at load (CPU, float32)
     "reserve": ("new_token_ratio", 0.7),  # m3 on: SGLang's reservation and retraction, from SGLang's first ratio
+    "prefill-first": ("batch_shape", "prefill-first"),  # m2 on: SGLang's steps, the prefills alone while there are any
 }
 
 

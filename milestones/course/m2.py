@@ -18,7 +18,9 @@ STEPS: tuple[Step, ...] = (
                    "each, each taken with self._take until the budget is spent; then, while budget is left and "
                    "fewer than max_num_seqs run, the front of self.waiting is admitted (status RUNNING, a KV slot "
                    "of its own from self.free_slots in `self.kv_slot[seq.request_id]`, appended to self.running) "
-                   "and taken. Return the ScheduledBatch, or None if it holds no request.",
+                   "and taken. The decodes `self._decodes_held_back(queue)` returns (given: none, unless "
+                   "batch_shape is 'prefill-first') are skipped, and taken last if nothing else was. Return the "
+                   "ScheduledBatch, or None if it holds no request.",
                    how="`batch = ScheduledBatch([], [], [])`; a stable sort of self.running keyed on \"more than "
                    "one token left\"; `budget -= self._take(batch, seq, budget)`, breaking at a budget of 0; "
                    "admission pops with popleft and `self.free_slots.pop()`."),

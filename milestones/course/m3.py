@@ -50,23 +50,29 @@ STEPS: tuple[Step, ...] = (
          "request already running (not the newcomer), none after a preemption; the victim is the latest admitted "
          "request not yet scheduled (else the request itself, then left out of the step), sent to the front; "
          "under new_token_ratio, SGLang's retraction before the step (admission.py, given)",
-         (Exercise("scheduler.py", "schedule", ("Scheduler.schedule",),
-                   "m2's plan over blocks: decodes first, then unfinished prefills, each with "
-                   "`min(tokens left, budget left)`, after `preempted = self._retract(queue, budget)` (SGLang's "
-                   "retraction, given; False under the default rule). While a request's table cannot grow to "
-                   "`num_computed_tokens + num_new` tokens, preempt through `self._preempt(victim)` (the tests "
-                   "patch it to record victims): the most recently admitted running request not yet scheduled in "
-                   "this step, or else the request itself, which is then not scheduled. Then admit from the front "
+         (Exercise("scheduler.py", "schedule", ("Scheduler._grow",),
+                   "schedule the requests of queue in order while budget is left, each `min(tokens left, budget "
+                   "left)` tokens. While a request's table cannot grow to `num_computed_tokens + num_new` tokens, "
+                   "preempt through `self._preempt(victim)` (the tests patch it to record victims): the most "
+                   "recently admitted request still in the queue, or else the request itself, which is then not "
+                   "scheduled. Return whether any was preempted.",
+                   how="pop the queue's front; `while not self.block_manager.can_grow(...)`: the victim is "
+                   "`max(queue, key=self.running.index)`, or the request itself when the queue is empty (then "
+                   "break); a while/else takes the request when no break happened."),
+          Exercise("scheduler.py", "schedule", ("Scheduler.schedule",),
+                   "m2's plan over blocks: a queue of the running requests, decodes first, then unfinished "
+                   "prefills; `preempted = self._retract(queue, budget)` (SGLang's retraction, given; False under "
+                   "the default rule); the queue but for the decodes `self._decodes_held_back(queue)` holds back "
+                   "(given) goes to self._grow, and what it took leaves the budget. Then admit from the front "
                    "of the queue (RUNNING, appended to self.running and to a set of this step's admissions, then "
                    "taken) while `self.admission.refused(budget, preempted, len(self.running))` is False and "
                    "`self.admission.no_room(seq, num_new, self.running, admitted, tables, self._available())` is "
                    "False: admission.py holds both rules (by default, the first chunk's new blocks + "
                    "len(self.running) <= free blocks, the newcomer not counted), stopping at the first that does "
-                   "not fit. Return None if nothing is scheduled.",
-                   how="a queue, self.running sorted decodes first; pop its front; `while not "
-                   "self.block_manager.can_grow(...)`: the victim is `max(queue, key=self.running.index)`, or "
-                   "the request itself when the queue is empty (then break); a while/else takes the request when "
-                   "no break happened. Admission peeks at `self.waiting[0]`; tables are "
+                   "not fit. If the batch is still empty, the held-back decodes go to self._grow. Return None if "
+                   "nothing is scheduled.",
+                   how="self.running sorted decodes first; `budget -= sum(batch.num_new_tokens)` after the first "
+                   "_grow; `preempted |= ...`. Admission peeks at `self.waiting[0]`; tables are "
                    "`self.block_manager.block_tables`."),
           Exercise("scheduler.py", "schedule", ("Scheduler._take",),
                    "schedule num_new tokens of seq: seq, num_new and its table, grown to hold "

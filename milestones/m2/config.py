@@ -10,6 +10,7 @@ from milestones import options
 from milestones.kernels import check_platform
 
 DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
+BATCH_SHAPES = ("mixed", "prefill-first")
 
 
 @dataclass(slots=True)
@@ -26,6 +27,8 @@ class EngineConfig:
     fuse_layers: bool | str = "auto"  # a decode step's layers in a few compiled calls each (kernels.fused_layers)
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
+    batch_shape: str = "mixed"  # "mixed": decodes and prefill chunks share a step (vLLM); "prefill-first": a step
+    #                              of prefills whenever one can be formed, else the decodes (SGLang)
 
     def resolve(self, model_max_len: int) -> EngineConfig:
         """Fill in the defaults that depend on the machine and the model; reject nonsense."""
@@ -51,6 +54,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "seed": options.INTEGER,
     "max_num_seqs": options.POSITIVE,
     "max_num_batched_tokens": options.POSITIVE,  # and at least max_num_seqs
+    "batch_shape": options.one_of(*BATCH_SHAPES),
 }
 # --8<-- [end:options]
 

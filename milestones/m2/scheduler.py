@@ -10,6 +10,8 @@ scheduling, as in vLLM V1):
 All of it under ``max_num_seqs`` running requests and ``max_num_batched_tokens``
 tokens per step. A prompt longer than what is left of the budget is prefilled in
 chunks over several steps, so one long prompt never stalls the others' decodes.
+``batch_shape="prefill-first"`` switches to SGLang's steps: the prefill chunks and
+admissions alone while there are any, the decodes in the steps between.
 Each running request owns one contiguous KV slot, sized for ``max_model_len``.
 """
 
@@ -46,17 +48,30 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         batch = ScheduledBatch([], [], [])
         # Decodes (one token left to compute) first, then unfinished prefills; arrival order within each.
-        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+        queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
+        decodes = self._decodes_held_back(queue)  # batch_shape "prefill-first": they run when no prefill can
+        for seq in queue:
             if budget == 0:
                 break
-            budget -= self._take(batch, seq, budget)
+            if seq not in decodes:
+                budget -= self._take(batch, seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.kv_slot[seq.request_id] = self.free_slots.pop()
             self.running.append(seq)
             budget -= self._take(batch, seq, budget)
+        if not batch.seqs:  # no prefill to run: the decodes held back make the step
+            for seq in decodes:
+                budget -= self._take(batch, seq, budget)
         return batch if batch.seqs else None
+
+    def _decodes_held_back(self, queue: list[Sequence]) -> list[Sequence]:
+        """SGLang's batch shape: a step runs the prefills if there are any, the decodes only when there are none.
+        vLLM's (``mixed``, the default) puts both in every step, so a long prompt's chunks never stall a decode."""
+        if self.config.batch_shape == "mixed":
+            return []
+        return [seq for seq in queue if seq.num_tokens - seq.num_computed_tokens == 1]
 
     def _take(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Schedule as many of the sequence's uncomputed tokens as the budget allows."""

@@ -12,6 +12,7 @@ from milestones.kernels import check_platform
 from .policies import POLICIES
 
 DEFAULT_MAX_MODEL_LEN = 2048  # modest: by default the KV cache holds max_num_seqs requests this long
+BATCH_SHAPES = ("mixed", "prefill-first")
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class EngineConfig:
     fuse_layers: bool | str = "auto"  # a decode step's layers in a few compiled calls each (kernels.fused_layers)
     max_num_seqs: int = 16  # requests running at once
     max_num_batched_tokens: int = 512  # tokens computed per step: decodes plus prefill chunks
+    batch_shape: str = "mixed"  # "mixed": decodes and prefill chunks share a step (vLLM); "prefill-first": a step
+    #                              of prefills whenever one can be formed, else the decodes (SGLang)
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # blocks in the pool; None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: what m2 would reserve (max_num_seqs * max_model_len tokens)
@@ -81,6 +84,7 @@ OPTIONS = {  # what each option's value must be, checked by resolve: a line per 
     "seed": options.INTEGER,
     "max_num_seqs": options.POSITIVE,
     "max_num_batched_tokens": options.POSITIVE,  # and at least max_num_seqs
+    "batch_shape": options.one_of(*BATCH_SHAPES),
     "block_size": options.POSITIVE,
     "num_kv_blocks": options.POSITIVE_OR_NONE,  # None: as many as kv_cache_memory_bytes holds
     "kv_cache_memory_bytes": options.POSITIVE_OR_NONE,

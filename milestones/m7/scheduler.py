@@ -86,18 +86,9 @@ class Scheduler:
         queue = sorted((s for s in self.running if s not in finishing),
                        key=lambda s: s.num_tokens - s.num_computed_tokens > 1)
         preempted = self._retract(queue, budget)  # SGLang's reservation: give back before the step, not during it
-        while queue and budget > 0:
-            seq = queue.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self._make_room(seq, seq.num_computed_tokens + num_new):
-                victim = max(queue, key=self.running.index) if queue else seq
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-                queue.remove(victim)
-            else:
-                budget -= self._take(batch, seq, num_new)
+        decodes = self._decodes_held_back(queue)  # batch_shape "prefill-first": they run when no prefill can
+        preempted |= self._grow([seq for seq in queue if seq not in decodes], batch, budget)
+        budget -= sum(batch.num_new_tokens)
         self.waiting = self.order_waiting(self.waiting, self.tree, self.config.max_model_len)  # scheduling_policy
         # Admit waiting requests in order while what each is charged fits in the blocks the running requests do not
         # hold back (admission.py), cached blocks no request locks included; the first that does not fit waits. A
@@ -123,6 +114,9 @@ class Scheduler:
             self.num_prompt_tokens += seq.num_tokens
             self.num_cached_tokens += seq.num_cached_tokens
             budget -= self._take(batch, seq, num_new)
+        if not batch.seqs:  # no prefill to run: the decodes held back make the step
+            self._grow(decodes, batch, budget)
+            budget -= sum(batch.num_new_tokens)
         # --8<-- [start:guess_or_not]
         speculative = self.config.speculative_config
         limit = speculative.disable_by_batch_size if speculative is not None else None
@@ -130,6 +124,31 @@ class Scheduler:
             self._keep_guess_room(batch, budget)
         # --8<-- [end:guess_or_not]
         return batch if batch.seqs else None
+
+    def _grow(self, queue: list[Sequence], batch: ScheduledBatch, budget: int) -> bool:
+        """Schedule the running requests of ``queue`` in order, each its next tokens, while the budget lasts; one that
+        cannot get a block preempts the latest admitted of those not yet scheduled. True if any was preempted."""
+        preempted = False
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._make_room(seq, seq.num_computed_tokens + num_new):
+                victim = max(queue, key=self.running.index) if queue else seq
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                queue.remove(victim)
+            else:
+                budget -= self._take(batch, seq, num_new)
+        return preempted
+
+    def _decodes_held_back(self, queue: list[Sequence]) -> list[Sequence]:
+        """SGLang's batch shape: a step runs the prefills if there are any, the decodes only when there are none.
+        vLLM's (``mixed``, the default) puts both in every step, so a long prompt's chunks never stall a decode."""
+        if self.config.batch_shape == "mixed":
+            return []
+        return [seq for seq in queue if seq.num_tokens - seq.num_computed_tokens == 1]
 
     # --8<-- [start:keep_guess_room]
     def _keep_guess_room(self, batch: ScheduledBatch, budget: int) -> None:

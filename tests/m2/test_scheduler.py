@@ -118,6 +118,38 @@ def test_decodes_are_never_stalled_by_a_long_prefill():
         )
 
 
+def test_prefill_first_holds_the_decodes_back_while_a_prefill_runs():
+    """SGLang's batch shape: with a long prompt in chunks beside a decoding request, the chunks run alone, each with
+    the whole budget, and the decode resumes once the prompt is in; mixed steps carry both."""
+    plans = {}
+    for shape in ("mixed", "prefill-first"):
+        scheduler = Scheduler(EngineConfig(max_num_seqs=4, max_num_batched_tokens=8, batch_shape=shape))
+        scheduler.add(make_seq("short", 3))
+        step(scheduler)  # short is prefilled and now decodes
+        scheduler.add(make_seq("long", 20))
+        plans[shape] = [[(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)]
+                        for batch in (step(scheduler) for _ in range(5))]
+    assert plans["prefill-first"] == [[("long", 8)], [("long", 8)], [("long", 4)],
+                                      [("short", 1), ("long", 1)], [("short", 1), ("long", 1)]], (
+        f"prefill-first planned {plans['prefill-first']}: while 'long' has prompt tokens left, a step carries its "
+        "chunk alone (the budget is all its own) and 'short' waits; then both decode"
+    )
+    assert plans["mixed"][0] == [("short", 1), ("long", 7)], f"mixed planned {plans['mixed'][0]} first"
+
+
+def test_prefill_first_runs_the_decodes_when_no_prefill_can_be_formed():
+    """The waiting request cannot join (max_num_seqs): no prefill batch exists, so the decode batch runs."""
+    scheduler = Scheduler(EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, batch_shape="prefill-first"))
+    scheduler.add(make_seq("a", 3))
+    step(scheduler)
+    scheduler.add(make_seq("b", 3))
+    batch = step(scheduler)
+    assert batch is not None and [s.request_id for s in batch.seqs] == ["a"], (
+        "with 'b' waiting for a free place and 'a' decoding, the step must decode 'a' (prefill-first falls back to "
+        "the decode batch), not plan nothing"
+    )
+
+
 def test_admission_keeps_arrival_order():
     scheduler = Scheduler(EngineConfig(max_num_seqs=2, max_num_batched_tokens=64))
     for i in range(5):

@@ -8,14 +8,16 @@ from milestones import m1, m2
 from tests.chain import assert_same_outputs, mixed_workload, run
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_m2_matches_m1_on_a_mixed_workload(tiny_model_factory, kind):
+@pytest.mark.parametrize(("kind", "batch_shape"), [("llama", "mixed"), ("qwen2", "mixed"), ("qwen3", "mixed"),
+                                                   ("llama", "prefill-first")])
+def test_m2_matches_m1_on_a_mixed_workload(tiny_model_factory, kind, batch_shape):
     path = tiny_model_factory(kind)
     prompts, settings = mixed_workload(20, seed=3, max_prompt=120, max_output=48)
     # m1 with the lesson's attention: m2's decodes go to the compiled kernel by default, checked here against it too
     reference = run(m1, m1.LLM(path, device="cpu", max_model_len=256, attention_backend="torch"), prompts, settings)
     # Few slots, so requests queue and join mid-flight; a small budget, so prompts are chunked.
-    llm = m2.LLM(path, device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24)
+    llm = m2.LLM(path, device="cpu", max_model_len=256, max_num_seqs=5, max_num_batched_tokens=24,
+                 batch_shape=batch_shape)
     ours = run(m2, llm, prompts, settings)
     assert_same_outputs(ours, reference, settings)
     assert llm.engine.num_steps < sum(len(c.token_ids) for c in reference) + len(prompts), "no batching happened"
@@ -62,6 +64,8 @@ def test_m2_matches_m1_on_the_bundled_model():
     ]
     prompts[:4] = tokenizer_text
     reference = run(m1, m1.LLM(device="cpu", max_model_len=256, attention_backend="torch"), prompts, settings)
-    batched = m2.LLM(device="cpu", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=48)
-    ours = run(m2, batched, prompts, settings)
-    assert_same_outputs(ours, reference, settings)
+    for batch_shape in ("mixed", "prefill-first"):
+        batched = m2.LLM(device="cpu", max_model_len=256, max_num_seqs=6, max_num_batched_tokens=48,
+                         batch_shape=batch_shape)
+        ours = run(m2, batched, prompts, settings)
+        assert_same_outputs(ours, reference, settings)

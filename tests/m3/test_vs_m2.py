@@ -51,6 +51,16 @@ def test_m3_with_sglangs_reservation_matches_m2(tiny_model_path, workload, refer
     llm.engine.scheduler.check_integrity()
 
 
+@pytest.mark.parametrize("num_blocks", [None, 12])
+def test_m3_with_prefill_first_steps_matches_m2(tiny_model_path, workload, reference, num_blocks):
+    """SGLang's batch shape changes which step a request's tokens go in, never the tokens; in a tight pool too, where
+    a prefill chunk that finds no block preempts a prefilling request, not a held-back decode."""
+    llm = m3.LLM(tiny_model_path, block_size=16, num_kv_blocks=num_blocks, batch_shape="prefill-first", **LIMITS)
+    assert_same_outputs(run(m3, llm, *workload), reference)
+    assert (llm.engine.kv_usage()["num_preemptions"] > 0) == (num_blocks is not None)
+    llm.engine.scheduler.check_integrity()
+
+
 @needs_compiler
 def test_m3_with_the_compiled_kernel_matches_m2(tiny_model_path, workload, reference):
     """Decodes read their blocks in place through padded block tables, under preemption and an odd block size."""

@@ -252,3 +252,12 @@ def test_a_request_that_will_not_fit_anyway_leaves_the_cache_alone():
         "only if that is enough (missing <= self.tree.num_evictable_blocks); a request that will not fit anyway "
         "leaves the cache alone"
     )
+    # Admission refused X before any eviction (admission.py counts the evictable blocks); a running request's growth
+    # goes through _make_room itself: R asking for 6 more blocks than it holds finds 1 free + 4 evictable, not enough.
+    r = scheduler.find("R")
+    assert not scheduler._make_room(r, r.num_computed_tokens + 6 * BLOCK_SIZE), "6 blocks made out of 5"
+    after = {prefix: blocks for prefix, blocks in edges(scheduler).items() if prefix in before}
+    assert after == before, (
+        f"the tree's nodes went from {before} to {after} though R's growth could not fit even after eviction: "
+        "_make_room evicts only if that is enough (missing <= self.tree.num_evictable_blocks)"
+    )

@@ -43,7 +43,8 @@ def mixed_reference(tiny_model_path, mixed):
 
 @pytest.mark.parametrize(
     "options", [{}, {"enable_prefix_caching": False}, {"scheduling_policy": "lpm"}, {"block_size": 1},
-                {"scheduling_policy": "dfs-weight"}, {"scheduling_policy": "lof"}, {"scheduling_policy": "random"}]
+                {"scheduling_policy": "dfs-weight"}, {"scheduling_policy": "lof"}, {"scheduling_policy": "random"},
+                {"batch_shape": "prefill-first"}, {"batch_shape": "prefill-first", "num_kv_blocks": 12}]
 )
 def test_m4_matches_m3_on_the_mixed_workload(tiny_model_path, mixed, mixed_reference, options):
     llm = m4.LLM(tiny_model_path, **LIMITS, **options)

@@ -58,7 +58,8 @@ def test_m5_matches_m4_on_a_mixed_workload(tiny_model_path, captured, mixed):
     checked(captured)
 
 
-@pytest.mark.parametrize("admission", [{}, SGLANG], ids=["headroom", "sglang"])
+@pytest.mark.parametrize("admission", [{}, SGLANG, {"batch_shape": "prefill-first"}],
+                         ids=["headroom", "sglang", "prefill-first"])
 def test_m5_matches_m4_with_preemption_and_prefix_hits(tiny_model_path, admission):
     prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=5)
     settings = [dict(s, max_tokens=30) for s in settings]  # long decodes, so steps of decodes alone happen

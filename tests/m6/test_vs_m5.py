@@ -63,7 +63,8 @@ def test_m6_matches_m5_with_the_decode_step_captured(tiny_model_path, mixed, mix
         assert stats["replays"] > 0 and stats["padded_rows"] > 0 and stats["eager_steps"] > 0, stats
 
 
-@pytest.mark.parametrize("admission", [{}, SGLANG], ids=["headroom", "sglang"])
+@pytest.mark.parametrize("admission", [{}, SGLANG, {"batch_shape": "prefill-first"}],
+                         ids=["headroom", "sglang", "prefill-first"])
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_m6_matches_m5_with_preemption_and_prefix_hits(tiny_model_path, async_scheduling, admission):
     prompts, settings = shared_prefix_workload(10, prefix_len=40, seed=5)

@@ -100,7 +100,8 @@ def assert_guessed_both_ways(llm):
     dict(enable_prefix_caching=False),
     dict(num_kv_blocks=24, block_size=4),  # a tight pool: requests are preempted and speculate again
     dict(num_kv_blocks=24, block_size=4, **SGLANG),  # and retracted, SGLang's way
-], ids=["default", "no-prefix-cache", "tight-pool", "tight-pool-sglang"])
+    dict(num_kv_blocks=24, block_size=4, batch_shape="prefill-first"),  # decodes (and guesses) wait for prefills
+], ids=["default", "no-prefix-cache", "tight-pool", "tight-pool-sglang", "tight-pool-prefill-first"])
 def test_m7_matches_m6(tiny_model_path, workload, reference, options):
     with speculating(m7.LLM(tiny_model_path, **LIMITS, **options, speculative_config=NGRAM), workload[0],
                      reference) as llm:

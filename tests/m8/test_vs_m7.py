@@ -37,10 +37,12 @@ def test_one_rank_is_m7(tiny_model_path, workload, reference):
         assert_same_outputs(run(m8, llm, *workload), reference, workload[1])
 
 
-def test_two_ranks_overlapped_match_m7(tiny_model_path, workload, reference):
+@pytest.mark.parametrize("batch_shape", ["mixed", "prefill-first"])
+def test_two_ranks_overlapped_match_m7(tiny_model_path, workload, reference, batch_shape):
     """Two ranks, the step after next scheduled while one computes (m6), prompts in chunks, n > 1 sharing a prompt's
-    blocks, structured outputs, penalties, log-probabilities."""
-    with m8.LLM(tiny_model_path, **LIMITS, tensor_parallel_size=2, async_scheduling=True) as llm:
+    blocks, structured outputs, penalties, log-probabilities; with either batch shape."""
+    with m8.LLM(tiny_model_path, **LIMITS, tensor_parallel_size=2, async_scheduling=True,
+                batch_shape=batch_shape) as llm:
         assert llm.engine.config.async_scheduling
         assert_same_outputs(run(m8, llm, *workload), reference, workload[1])
 
