@@ -104,6 +104,8 @@ def test_benchmark_tiny(tiny_model_path, tmp_path):
         mixed = rows[("mixed", m)]
         assert mixed["num_requests"] == 4 and mixed["kv_reserved_mb"] > 0
         assert rows[("decode", m)]["output_tokens"] == 8 and "ratio_to_hf" in rows[("decode", m)]
+    graphs = rows[("mixed", "m5")]["graph_stats"]  # m5 on: every step of the pass replayed or eager, none uncounted
+    assert graphs["replays"] + graphs["piecewise_replays"] + graphs["eager_steps"] == rows[("mixed", "m5")]["steps"]
     # the same wanted tokens
     assert rows[("mixed", "hf-static-2")]["output_tokens"] == rows[("mixed", "m1")]["output_tokens"]
     assert out.with_suffix(".png").stat().st_size > 0

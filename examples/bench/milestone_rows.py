@@ -264,7 +264,7 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     warm_up = mod.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([requests[0].prompt_ids[:8]], warm_up, use_tqdm=False)
     peaks, finished, steps_before = KvPeaks(), {}, engine.num_steps
-    guesses_before = guess_counts(engine)
+    guesses_before, graphs_before = guess_counts(engine), graph_stats(llm)
     wall = 0.0
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=r.temperature, seed=r.seed,
@@ -312,6 +312,7 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
             for o in outs]
     ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None]
     refusals = {k.removeprefix("refused_"): v for k, v in peaks.last.items() if k.startswith("refused_")}
+    graphs = {"graph_stats": graph_stats(llm, since=graphs_before)} if graphs_before else {}  # m5 on: steps replayed
     return new_row(workload, row.name, "milestone", num_requests=len(outs), output_tokens=n_out, wall_s=wall,
                    prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - cached,
                    max_running=peaks.most_running, num_preemptions=peaks.last.get("num_preemptions"),
@@ -321,5 +322,5 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
                    prefix_hit_rate=peaks.last.get("prefix_hit_rate"), output_tokens_per_s=n_out / wall,
                    ttft_mean_s=mean([o.metrics.time_to_first_token for o in outs]), itl_mean_s=mean(itls),
                    kv_peak_mb=peaks.used_bytes / MB, kv_reserved_mb=peaks.reserved_bytes / MB,
-                   steps=engine.num_steps - steps_before, note=note, **overlap, **guesses,
+                   steps=engine.num_steps - steps_before, note=note, **overlap, **guesses, **graphs,
                    _tokens=[list(o.outputs[0].token_ids) for o in outs])
