@@ -92,7 +92,7 @@ class LLMEngine:
         self.num_launched = 0  # steps handed to the forward worker
         self.pending: LaunchedStep | None = None  # with async scheduling: launched last step, processed this one
         self.lock = threading.RLock()  # re-entrant: LLM.generate holds it around its own calls
-        self.tracer = Tracer(self.config.trace_file is not None)
+        self.tracer = Tracer(self.config.trace_file is not None, self.scheduler.admission.refusals)
         self.worker = ForwardWorker(self.runner, self.config.device, self.config.async_scheduling, self.tracer)
         self._stop_worker = weakref.finalize(self, self.worker.close)  # no thread outlives a forgotten engine
 

@@ -369,6 +369,24 @@ def test_the_trace_has_one_event_of_each_kind_per_step(tiny_model_path, tmp_path
         assert share == 0.0, "without overlap no host work can lie inside a forward"
 
 
+def test_the_trace_counts_the_refusals_after_each_schedule(tiny_model_path, tmp_path):
+    path = tmp_path / "trace.json"
+    prompts, settings = mixed_workload(8, seed=4, max_prompt=40, max_output=10)
+    limits = dict(EAGER, max_num_seqs=2, num_kv_blocks=8)  # requests wait for a place and for blocks
+    with m6.LLM(tiny_model_path, async_scheduling=True, trace_file=str(path), **limits) as llm:
+        run(m6, llm, prompts, settings)
+        usage = llm.engine.kv_usage()
+    events = json.loads(path.read_text())["traceEvents"]
+    schedules = [e for e in events if e["name"] == "schedule"]
+    counts = [e["args"] for e in events if e["name"] == "refused" and e["ph"] == "C"]
+    assert len(counts) == len(schedules), f"{len(counts)} counter events for {len(schedules)} schedule events"
+    assert all(all(later[k] >= earlier[k] for k in earlier) for earlier, later in zip(counts, counts[1:])), (
+        "the refusals are a running count: no reason's count may fall from one schedule to the next")
+    assert counts[-1]["max_num_seqs"] > 0, counts[-1]
+    # the last schedule may have come before a final, empty one: the trace's count is at most kv_usage()'s
+    assert all(counts[-1][reason] <= usage[f"refused_{reason}"] for reason in counts[-1]), (counts[-1], usage)
+
+
 def test_hidden_host_share_measures_overlap():
     def event(name, start, end):
         return {"name": name, "ph": "X", "ts": start, "dur": end - start}
