@@ -389,22 +389,25 @@ def test_m3_inference_runs(tiny_model_path, pool):
 
 
 def test_scheduling_policies_order_the_work_and_never_change_the_tokens(tiny_model_path):
-    """Every policy on both pools gives fcfs's tokens; on the tight pool the cache-aware ones compute fewer prompt
-    tokens than arrival order (four groups take turns through a cache that holds about one prefix besides)."""
+    """Every policy on every table gives fcfs's tokens; on the tight pool the cache-aware ones compute fewer prompt
+    tokens than arrival order (four groups take turns through a cache that holds about one prefix besides); with the
+    long request last, lof takes fewer steps (5 short answers of 2 tokens fit beside the long one of 16)."""
     out = run_script("examples/scheduling_policies.py", "--model", str(tiny_model_path), "--groups", "4",
                      "--per-group", "3", "--prefix-len", "32", "--output-len", "2", "--tight", "10,2",
-                     "--roomy", "40,4").stdout
+                     "--roomy", "40,4", "--short-requests", "5", "--long-len", "16", "--long-pool", "40,2").stdout
     tables, table = {}, None
+    row_pattern = r"^(\S+)\s+\d+ of \d+\s+([\d.]+)x\s+\d+\s+(\d+)\s.*\s(same|DIFFERENT)$"  # policy, ratio, steps
     for line in out.splitlines():
-        if found := re.match(r"^(tight|roomy) pool:", line):
+        if found := re.match(r"^([\w-]+) pool \(", line):
             table = tables[found.group(1)] = {}
-        elif table is not None and (row := re.match(r"^(\S+)\s+\d+ of \d+\s+([\d.]+)x.*\s(same|DIFFERENT)$", line)):
-            table[row.group(1)] = (float(row.group(2)), row.group(3))
-    assert set(tables) == {"tight", "roomy"}, out
+        elif table is not None and (row := re.match(row_pattern, line)):
+            table[row.group(1)] = (float(row.group(2)), int(row.group(3)), row.group(4))
+    assert set(tables) == {"tight", "roomy", "long-last"}, out
     for table in tables.values():
         assert set(table) == {"fcfs", "lpm", "dfs-weight", "lof", "random"}, out
-        assert all(same == "same" for _, same in table.values()), out
+        assert all(same == "same" for *_, same in table.values()), out
     assert tables["tight"]["lpm"][0] < 1 and tables["tight"]["dfs-weight"][0] < 1, out
+    assert tables["long-last"]["lof"][1] < tables["long-last"]["fcfs"][1], out
 
 
 def test_m4_inference_compare(tiny_model_path):
