@@ -174,11 +174,15 @@ def test_benchmark_host_rows_time_the_engines_own_steps(tmp_path):
         assert row["status"] == "ok", (workload, engine, row["error"])
         assert row["host_step_ms"] > 0 and row["output_tokens"] == row["batch_size"] * 6
         assert row["output_tokens_per_s"] == pytest.approx(row["batch_size"] / row["host_step_ms"] * 1e3)
+        # the model's calls (forward or replay, LM head) timed apart: on a GPU they are the device's share
+        assert 0 < row["host_model_ms"] < row["host_step_ms"] and 0 < row["host_engine_ms"] < row["host_step_ms"]
     assert "host_us_per_row" not in rows[("host-1", "m1")], "one batch size has no slope"
     for engine in ("m4", "m6"):
         small, large = rows[("host-1", engine)], rows[("host-3", engine)]
         assert small["host_us_per_row"] == large["host_us_per_row"] == pytest.approx(
             (large["host_step_ms"] - small["host_step_ms"]) / 2 * 1e3)
+        engine_slope = (large["host_engine_ms"] - small["host_engine_ms"]) / 2 * 1e3
+        assert small["host_engine_us_per_row"] == pytest.approx(engine_slope)
     for workload in ("host-1", "host-3"):  # every timed step of m6 replays its captured bucket
         assert rows[(workload, "m6")]["replays"] == 6 and rows[(workload, "m6")]["eager_steps"] == 0
 

@@ -12,6 +12,14 @@ replay or the eager forward's dispatch, sampling, the stop rules and the outputs
 A row per batch size (``host-B``) reports the median milliseconds per step; the rows of
 one engine also get ``host_us_per_row``: what one more decoding request adds to a
 step, the slope between its smallest and largest batch.
+
+Even this model is not free at batch 256 on a CPU (its attention reads every row's
+context), and on a GPU that arithmetic is the device's, not the host's. So each row
+also times the model's own calls (the eager forward or the replay of a captured step, and the LM head)
+in the step's thread: ``host_model_ms`` per step, ``host_engine_ms`` (the step without
+them) and its slope ``host_engine_us_per_row``. Where the forward runs on another
+thread (m6's worker, overlapping the host's work) the two are not separable and are
+left out.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import random
 import shutil
 import statistics
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -56,6 +65,14 @@ def host_checkpoint(tokenizer_from: Path) -> Path:
     return folder
 
 
+def text_token_ids(tokenizer) -> list[int]:
+    """The host vocabulary's ids that decode to text on their own (ASCII, in the bundled tokenizer): prompts that read
+    as text, as real prompts do. Random ids would mostly be lone bytes, and a prompt ending inside a character sends
+    the detokenizer to its Python rule (milestones/serving/text_stream.py), which real traffic hardly meets."""
+    decoded = {i: tokenizer.decode([i], skip_special_tokens=True) for i in range(3, HOST_VOCAB)}
+    return [i for i, text in decoded.items() if text and "\ufffd" not in text]
+
+
 def host_engine(mod: ModuleType, row: MilestoneRow, setup: Setup, kwargs: dict) -> tuple[object, list[int]]:
     """The row's milestone, with the row's options (``kwargs``), on the tiny checkpoint, and the batch sizes it runs:
     every size decoding at once and captured (m5 on); m1, which serves one request at a time, batch 1 only."""
@@ -77,26 +94,68 @@ def host_engine(mod: ModuleType, row: MilestoneRow, setup: Setup, kwargs: dict) 
     return mod.LLM(str(host_checkpoint(setup.model_path)), device=setup.device, **options), sizes
 
 
+class ModelClock:
+    """Seconds the step's thread spends inside the model: every eager forward, every replay of a captured step and
+    the LM head, timed by wrapping the runner's ``model``, ``compute_logits`` and its graph runner's replays (the
+    engine's code is left as it is)."""
+
+    def __init__(self, engine) -> None:
+        self.seconds, self.elsewhere, self.thread = 0.0, False, threading.get_ident()
+        runner = engine.runner
+        runner.model = _Timed(runner.model, self)
+        if hasattr(runner, "compute_logits"):
+            runner.compute_logits = _Timed(runner.compute_logits, self)
+        graphs = getattr(runner, "graph_runner", None)
+        if graphs is not None:
+            graphs.replays = {size: _Timed(replay, self) for size, replay in graphs.replays.items()}
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.elsewhere |= threading.get_ident() != self.thread
+
+
+class _Timed:
+    """A callable that adds the time of each call to a clock; every other attribute is the wrapped object's."""
+
+    def __init__(self, wrapped, clock: ModelClock) -> None:
+        self._wrapped, self._clock = wrapped, clock
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self._wrapped(*args, **kwargs)
+        finally:
+            self._clock.add(time.perf_counter() - start)
+
+    def __getattr__(self, name: str):
+        return getattr(self._wrapped, name)
+
+
 def host_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, size: int) -> dict:
     """``size`` requests past their prompts, then --host-steps decode steps timed one by one; the median step."""
     engine, args = llm.engine, setup.args
     rng = random.Random(args.seed + size)
     params = mod.SamplingParams(temperature=0, ignore_eos=True,
                                 max_tokens=HOST_WARM_UP_STEPS + args.host_steps + 4)  # room for m6's step in flight
-    ids = [engine.add_request([rng.randrange(3, HOST_VOCAB) for _ in range(HOST_PROMPT_LEN)], params)
-           for _ in range(size)]
+    text_ids = text_token_ids(engine.tokenizer)
+    ids = [engine.add_request([rng.choice(text_ids) for _ in range(HOST_PROMPT_LEN)], params) for _ in range(size)]
     started: set[str] = set()
     while len(started) < size:  # the prompts, until every request has its first token
         started.update(out.request_id for out in engine.step())
     for _ in range(HOST_WARM_UP_STEPS):
         engine.step()
     graphs_before = engine.graph_stats() if hasattr(engine, "graph_stats") else None
-    times = []
+    clock = ModelClock(engine)
+    times, model_times = [], []
     for _ in range(args.host_steps):
-        start = time.perf_counter()
+        clock.seconds, start = 0.0, time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+        model_times.append(clock.seconds)
     extra = {}
+    if not clock.elsewhere:
+        extra.update(host_model_ms=1e3 * statistics.median(model_times),
+                     host_engine_ms=1e3 * statistics.median(t - m for t, m in zip(times, model_times)))
     if graphs_before is not None:
         after = engine.graph_stats()
         extra["replays"] = after["replays"] - graphs_before["replays"]
@@ -122,7 +181,14 @@ def add_host_per_row(rows: list[dict]) -> None:
         small, large = min(found, key=lambda r: r["batch_size"]), max(found, key=lambda r: r["batch_size"])
         if large["batch_size"] == small["batch_size"]:
             continue
-        slope = (large["host_step_ms"] - small["host_step_ms"]) / (large["batch_size"] - small["batch_size"])
+        rows_apart = large["batch_size"] - small["batch_size"]
+        slope = (large["host_step_ms"] - small["host_step_ms"]) / rows_apart
+        engine_slope = None
+        if "host_engine_ms" in small and "host_engine_ms" in large:
+            engine_slope = (large["host_engine_ms"] - small["host_engine_ms"]) / rows_apart
         for r in found:
             r["host_us_per_row"] = 1e3 * slope
             r["note"] = f"{r['host_step_ms']:.3f} ms/step, {1e3 * slope:.1f} us/row"
+            if engine_slope is not None:
+                r["host_engine_us_per_row"] = 1e3 * engine_slope
+                r["note"] += f" ({1e3 * engine_slope:.1f} without the model)"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from transformers import AutoTokenizer
 
-from milestones.m1.detokenizer import IncrementalDetokenizer
+from milestones.m1.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from milestones.serving.text_stream import DETOKENIZER_ENV
 
 TEXTS = [
     "Hello world, how are you?",
@@ -18,6 +21,40 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tokenizer(bundled_model_path):
     return AutoTokenizer.from_pretrained(bundled_model_path)
+
+
+@pytest.fixture(autouse=True, params=["stream", "python"])
+def rule(request, monkeypatch):
+    """Every test runs with the tokenizer's own stream (the default) and with the lesson's Python rule."""
+    if request.param == "python":
+        monkeypatch.setenv(DETOKENIZER_ENV, "python")
+    else:
+        monkeypatch.delenv(DETOKENIZER_ENV, raising=False)
+    return request.param
+
+
+def test_the_switch_picks_the_rule(tokenizer, rule):
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), [])
+    assert (detok.next_text == detok.new_text) is (rule == "python")
+
+
+def test_the_stream_gives_the_lessons_text_token_by_token(tokenizer, monkeypatch):
+    """Random prompts and random tokens (special ones, lone bytes, prompts ending inside a character among them):
+    the text after every token is the same by both rules."""
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(8))]
+        ids = [rng.randrange(len(tokenizer)) if rng.random() < 0.7 else rng.randrange(300) for _ in range(40)]
+        with monkeypatch.context() as env:
+            env.delenv(DETOKENIZER_ENV, raising=False)
+            ours = IncrementalDetokenizer(tokenizer, prompt, ["\n\n"])
+            env.setenv(DETOKENIZER_ENV, "python")
+            lesson = IncrementalDetokenizer(tokenizer, prompt, ["\n\n"])
+        assert ours.next_text != ours.new_text or "\ufffd" in tokenizer.decode(prompt[-CONTEXT_TOKENS:],
+                                                                          skip_special_tokens=True)
+        for i, token in enumerate(ids):
+            assert ours.add_token(token) == lesson.add_token(token), (prompt, ids[: i + 1])
+            assert ours.text == lesson.text, (prompt, ids[: i + 1])
 
 
 @pytest.mark.parametrize("text", TEXTS)
