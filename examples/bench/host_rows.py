@@ -17,8 +17,9 @@ Even this model is not free at batch 256 on a CPU (its attention reads every row
 context), and on a GPU that arithmetic is the device's, not the host's. So each row
 also times the model's own calls (the eager forward or the replay of a captured step, and the LM head)
 in the step's thread: ``host_model_ms`` per step, ``host_engine_ms`` (the step without
-them) and its slope ``host_engine_us_per_row``. Where the forward runs on another
-thread (m6's worker, overlapping the host's work) the two are not separable and are
+them) and its slope ``host_engine_us_per_row``. Only on a CPU: on CUDA those calls only
+launch kernels, host work that stays in the step, and where the forward runs on another
+thread (m6's worker, overlapping the host's work) the two are not separable; both are
 left out.
 """
 
@@ -153,7 +154,7 @@ def host_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, size: int) -
         times.append(time.perf_counter() - start)
         model_times.append(clock.seconds)
     extra = {}
-    if not clock.elsewhere:
+    if setup.device.type == "cpu" and not clock.elsewhere:  # on CUDA the calls only launch kernels: host work
         extra.update(host_model_ms=1e3 * statistics.median(model_times),
                      host_engine_ms=1e3 * statistics.median(t - m for t, m in zip(times, model_times)))
     if graphs_before is not None:
