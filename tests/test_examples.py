@@ -827,3 +827,15 @@ def test_quantization_quality_finds_gguf_within_float32_rounding_and_int8_close(
     assert float(mean_shift) <= LOGPROB_ATOL and float(max_shift) <= longest * LOGPROB_ATOL, (
         f"gguf moved a log-likelihood by up to {max_shift} (tolerance {longest} x {LOGPROB_ATOL}):\n{out}")
     assert float(rows["m1@int8"][1].rstrip("%")) > 90, out
+
+
+def test_record_run_writes_a_recording_the_replay_page_reads(tiny_model_path, tmp_path):
+    """The example a learner records a run with: m3 on a pool too small for four requests at once preempts, and
+    the file holds every step (its checks against the engine are tests/test_recorder.py's)."""
+    out_file = tmp_path / "run.json"
+    out = run_script("examples/record_run.py", "--model", str(tiny_model_path), "--milestone", "m3", "--out",
+                     str(out_file), "--num-kv-blocks", "8", "--max-tokens", "24").stdout
+    record = json.loads(out_file.read_text())
+    assert record["milestone"] == "m3" and len(record["requests"]) == 8, out
+    assert f"{len(record['steps'])} steps of 8 requests" in out, out
+    assert record["steps"][-1]["preemptions"] > 0 and f"preemptions {record['steps'][-1]['preemptions']}" in out, out

@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
 
+from milestones.recorder import Recorder
+
 from .outputs import RequestOutput
 from .prompts import Prompt, as_token_ids
 from .sampling_params import SamplingParams
@@ -27,18 +29,28 @@ class LLM:
     engine_class: ClassVar[type]  # the milestone's LLMEngine, set by the milestone's subclass
     config_class: ClassVar[type]  # and its EngineConfig
 
-    def __init__(self, model: str | None = None, *, device=None, dtype=None, **kwargs) -> None:
+    def __init__(self, model: str | None = None, *, device=None, dtype=None, record_file: str | None = None,
+                 **kwargs) -> None:
+        """``record_file``: keep every step's schedule and bookkeeping for the replay page (milestones/recorder.py),
+        written there after each ``generate`` and on ``close``."""
         accepted = {f.name for f in fields(self.config_class)}
         unknown = set(kwargs) - accepted
         if unknown:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
         self.engine: Any = self.engine_class(self.config_class(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self.record_file = record_file
+        self.recorder = Recorder(self.engine) if record_file is not None else None
 
     def close(self) -> None:
-        """Release what the engine holds (from m6 on: its forward worker, and the trace if one was asked for).
-        ``with LLM() as llm:`` does it on leaving the block."""
+        """Release what the engine holds (from m6 on: its forward worker, and the trace if one was asked for), and
+        write the recording if one was asked for. ``with LLM() as llm:`` does it on leaving the block."""
         self.engine.close()
+        self._write_recording()
+
+    def _write_recording(self) -> None:
+        if self.recorder is not None:
+            self.recorder.write(self.record_file)
 
     def __enter__(self):
         return self
@@ -106,6 +118,7 @@ class LLM:
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
+        self._write_recording()
         return [finished[r] for r in request_ids]
 
 

@@ -1,0 +1,121 @@
+"""The recorder (milestones/recorder.py): each step's record against the engine's own state at that step, and the
+whole file against the run's outputs.
+
+At every schedule the test reads the engine itself beside the recorder (the pool's free count, the block tables
+rebuilt from the file's changes, the tree's blocks and locks, and its integrity checks), and at the end each
+request's new tokens, summed over the steps that ran it, must add up to what it computed: its prompt and its
+output, less the last token, plus what preemptions made it compute again.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+from milestones import recorder
+
+PROMPTS = [list(range(40, 40 + n)) for n in (9, 23, 5, 17, 30, 12)]
+SHARED = list(range(200, 232))  # two blocks of 16: what m4's tree keeps for the second request on
+
+
+def run_recorded(name: str, path, prompts, tmp_path, **options):
+    mod = importlib.import_module(f"milestones.{name}")
+    file = tmp_path / f"{name}.json"
+    if name in ("m5", "m6", "m7", "m8"):
+        options["enforce_eager"] = True  # the schedule is what is recorded: no minute of torch.compile for it
+    llm = mod.LLM(str(path), device="cpu", max_model_len=128, record_file=str(file), **options)
+    engine, seen = llm.engine, []
+    recorded_schedule = engine.scheduler.schedule
+
+    def checked_schedule():  # beside the recorder: the engine's own state when each record is made
+        batch = recorded_schedule()
+        if batch is not None:
+            engine.check_integrity()
+            seen.append(engine_state(engine))
+        return batch
+
+    engine.scheduler.schedule = checked_schedule
+    with llm:
+        outputs = llm.generate(prompts, mod.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)
+    return json.loads(file.read_text()), seen, outputs, engine
+
+
+def engine_state(engine) -> dict:
+    scheduler = engine.scheduler
+    state = {"waiting": [seq.request_id for seq in scheduler.waiting]}
+    blocks = getattr(scheduler, "block_manager", None)
+    if blocks is not None:
+        state["free"] = blocks.num_free_blocks
+        state["tables"] = {rid: list(table) for rid, table in blocks.block_tables.items()}
+    tree = getattr(scheduler, "tree", None)
+    if tree is not None:
+        state["cached"] = sorted(tree.cached_blocks())
+        state["locks"] = sum(1 for node in recorder._nodes(tree.root) if node.lock_ref > 0)
+    return state
+
+
+def check_against_engine(record: dict, seen: list[dict], outputs) -> None:
+    assert len(record["steps"]) == len(seen), "a record for every step the engine scheduled, and no other"
+    names, tables = record["requests"], {}
+    for index, (step, state) in enumerate(zip(record["steps"], seen)):
+        where = f"step {index}"
+        assert [names[r] for r in step["waiting"]] == state["waiting"], where
+        if "free" in state:
+            assert step["free"] == state["free"], where
+            for r in step["gone"]:
+                del tables[names[r]]
+            tables.update({names[int(r)]: t for r, t in step["tables"].items()})
+            assert tables == state["tables"], f"{where}: the tables rebuilt from the file's changes"
+            held = {b for t in tables.values() for b in t} | {b for node in step.get("tree", []) for b in node[2]}
+            assert step["free"] + len(held) == record["num_blocks"], f"{where}: free + held = the pool"
+        if "cached" in state:
+            assert sorted(b for node in step["tree"] for b in node[2]) == state["cached"], where
+            assert sum(1 for node in step["tree"] if node[3] > 0) == state["locks"], where
+            parents = {node[0] for node in step["tree"]} | {-1}
+            assert all(node[1] in parents for node in step["tree"]), f"{where}: a node's parent is in the tree"
+    computed: dict[str, int] = {}
+    for step in record["steps"]:
+        for r, before, new, _ in step["batch"]:
+            computed[names[r]] = before + new
+    for out in outputs:
+        total = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1  # the last token is never computed
+        assert computed[out.request_id] == total, (out.request_id, computed[out.request_id], total)
+
+
+@pytest.mark.parametrize("name", ["m1", "m2", "m6", "m7"])
+def test_each_step_is_recorded_as_the_engine_scheduled_it(name, tiny_model_path, tmp_path):
+    options = {"max_num_seqs": 3, "max_num_batched_tokens": 16} if name != "m1" else {}
+    record, seen, outputs, _ = run_recorded(name, tiny_model_path, PROMPTS, tmp_path, **options)
+    assert record["milestone"] == name and record["version"] == recorder.FORMAT_VERSION
+    check_against_engine(record, seen, outputs)
+    new_tokens = {new for step in record["steps"] for _, _, new, _ in step["batch"]}
+    assert 1 in new_tokens and max(new_tokens) > 1, "prompts' chunks and decodes, each with its own count"
+
+
+def test_a_tight_pool_s_preemptions_and_the_tables_are_recorded(tiny_model_path, tmp_path):
+    record, seen, outputs, engine = run_recorded("m3", tiny_model_path, PROMPTS, tmp_path, max_num_seqs=4,
+                                                 max_num_batched_tokens=32, block_size=4, num_kv_blocks=14)
+    check_against_engine(record, seen, outputs)
+    assert engine.scheduler.num_preemptions > 0, "the pool is meant to be too small for the four at once"
+    assert record["steps"][-1]["preemptions"] == engine.scheduler.num_preemptions
+    assert max(s["preemptions"] for s in record["steps"]) > 0
+    assert record["num_blocks"] == 14 and record["block_size"] == 4
+
+
+def test_a_shared_prefix_is_recorded_in_the_tree(tiny_model_path, tmp_path):
+    prompts = [SHARED + [300 + i] for i in range(4)]
+    record, seen, outputs, engine = run_recorded("m4", tiny_model_path, prompts, tmp_path, max_num_seqs=1)
+    check_against_engine(record, seen, outputs)
+    hits = [r for step in record["steps"] for r, before, _, _ in step["batch"] if before >= len(SHARED)]
+    assert hits, "the later requests start past the cached prefix"
+    assert any(node[3] > 0 for step in record["steps"] for node in step["tree"]), "a running request locks a node"
+    assert sum(out.num_cached_tokens for out in outputs) == 3 * len(SHARED)
+
+
+def test_nothing_is_wrapped_without_a_record_file(tiny_model_path):
+    mod = importlib.import_module("milestones.m3")
+    llm = mod.LLM(str(tiny_model_path), device="cpu", max_model_len=64)
+    assert llm.recorder is None and "schedule" not in vars(llm.engine.scheduler)
