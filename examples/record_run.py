@@ -5,7 +5,7 @@ shared prefix of --prefix-len tokens (what m4's tree keeps), the others with pro
 once and decoding --max-tokens tokens each, greedy; --num-kv-blocks small enough (m3 on) and the pool fills up, so
 requests are preempted. It writes the recording (``LLM(record_file=...)``) and prints what it holds.
 
-    python examples/record_run.py --milestone m3 --out run.json [--num-kv-blocks 24]
+    python examples/record_run.py --milestone m3 --out run.json [--num-kv-blocks 24] [--ngram 3 (m7)]
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="m3 on: the pool's size in blocks")
+    parser.add_argument("--ngram", type=int, default=None, metavar="K",
+                        help="m7 on: guess K tokens a step by prompt lookup (speculative_config's ngram)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="a Hugging Face folder; default: the bundled SmolLM2-135M")
     parser.add_argument("--device", default="cpu")
@@ -39,6 +41,8 @@ def main() -> None:
     options = {k: v for k, v in {"max_num_seqs": args.max_num_seqs, "num_kv_blocks": args.num_kv_blocks,
                                  "max_num_batched_tokens": args.max_num_batched_tokens}.items()
                if k in accepted and v is not None}
+    if args.ngram is not None:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram}
     if "enforce_eager" in accepted:
         options["enforce_eager"] = True  # the recording is of the schedule: no capture to wait for
     llm = mod.LLM(args.model, device=args.device, max_model_len=256, seed=args.seed, record_file=str(args.out),
@@ -65,6 +69,9 @@ def main() -> None:
               f"{min(s['free'] for s in steps)}")
     if "tree" in steps[-1]:
         print(f"  tree: at most {max(len(s['tree']) for s in steps)} nodes")
+    guesses = sum(g for s in steps for *_, g in s["batch"])
+    if guesses:
+        print(f"  guesses checked: {guesses}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """A step-by-step record of an engine run, for the replay page: a tool around the lessons, not one of them.
 
-``LLM(record_file=PATH)`` (any milestone) attaches a ``Recorder`` to the engine and writes the file when the engine
-is closed. The recorder wraps the scheduler's ``schedule`` from outside, as the benchmark's clocks wrap the
-runner, so no lesson function knows of it and an engine without it runs exactly as before. After every schedule
-it keeps what the scheduler decided and the state it left: the step's requests with their new tokens (a prompt's
-chunk or a decode), the waiting queue, from m3 every running request's block table and the pool's free count, from
-m4 the radix tree's nodes with their blocks and lock counts, and the preemptions so far. m6 schedules step N + 1
-while step N runs, so a record is the state at the moment a step is planned, in every milestone alike.
+``LLM(record_file=PATH)`` (any milestone) attaches a ``Recorder`` to the engine and writes the file after each
+``generate`` and when the engine is closed. The recorder wraps the model runner's entry from outside, as the
+benchmark's clocks wrap the runner's calls, so no lesson function knows of it and an engine without it runs exactly
+as before. When a step's batch reaches the runner it keeps what was planned and the state the planning left: the
+step's requests with their new tokens (a prompt's chunk or a decode), the waiting queue, from m3 every running
+request's block table and the pool's free count, from m4 the radix tree's nodes with their blocks and lock counts,
+m7's guesses, and the preemptions so far. m6 plans step N + 1 while step N runs, so a record is the state at the
+moment a step is handed to the runner, in every milestone alike.
 
 The file is compact JSON: request ids become small numbers in order of first sight (``requests`` maps them back),
 and a block table is written only in the steps where it changed.
@@ -31,27 +32,28 @@ class Recorder:
         self._tables: dict[int, list[int]] = {}  # the tables as last written
         self._node_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a tree node -> its number
         self._next_node = itertools.count()
-        scheduler = engine.scheduler
-        schedule = scheduler.schedule
+        # Where a step's batch is final: the runner's first call with it (m6 on ``prepare``, before: ``execute``),
+        # after the scheduler planned it and, in m7, the proposer added its guesses.
+        runner = engine.runner
+        name = "prepare" if hasattr(runner, "prepare") else "execute"
+        entry = getattr(runner, name)
 
-        def recorded_schedule():
-            batch = schedule()
-            if batch is not None:
-                self.steps.append(self.snapshot(batch))
-            return batch
+        def recorded(batch, *args, **kwargs):
+            self.steps.append(self.snapshot(batch))
+            return entry(batch, *args, **kwargs)
 
-        scheduler.schedule = recorded_schedule  # an attribute of this scheduler only: the class is left as it is
+        setattr(runner, name, recorded)  # an attribute of this runner only: the class is left as it is
 
     def number(self, request_id: str) -> int:
         return self.requests.setdefault(request_id, len(self.requests))
 
-    def snapshot(self, batch: Any) -> dict:
-        """What one schedule decided, and the bookkeeping it left."""
+    def snapshot(self, batch: Any | None) -> dict:
+        """What one schedule decided (None: no step, the state alone), and the bookkeeping it left."""
         scheduler = self.engine.scheduler
         step: dict[str, Any] = {
             # [request, tokens computed before the step, new tokens, guesses among them (m7)]
             "batch": [[self.number(seq.request_id), seq.num_computed_tokens, num_new, _guesses(seq)]
-                      for seq, num_new in zip(batch.seqs, batch.num_new_tokens)],
+                      for seq, num_new in zip(batch.seqs, batch.num_new_tokens)] if batch is not None else [],
             "waiting": [self.number(seq.request_id) for seq in scheduler.waiting],
             "preemptions": getattr(scheduler, "num_preemptions", 0),
         }
@@ -77,6 +79,9 @@ class Recorder:
     def as_json(self) -> dict:
         scheduler, config = self.engine.scheduler, self.engine.config
         blocks = getattr(scheduler, "block_manager", None)
+        last_written = self._tables
+        end = self.snapshot(None)  # the bookkeeping as the run left it: a pool with nothing in use
+        self._tables = last_written  # the next step's changes are against the last step's, not the end's
         return {
             "version": FORMAT_VERSION,
             "milestone": type(self.engine).__module__.split(".")[-2],
@@ -85,6 +90,7 @@ class Recorder:
             "max_num_batched_tokens": getattr(config, "max_num_batched_tokens", None),
             "requests": list(self.requests),
             "steps": self.steps,
+            "end": end,
         }
 
     def write(self, path: str | Path) -> None:

@@ -16,6 +16,7 @@ browser makes for itself (update checks, time sync) belong to no page and are no
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
 import os
@@ -23,6 +24,7 @@ import queue
 import subprocess
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # No network: names other than 127.0.0.1 do not resolve, and anything else goes to a proxy where nothing listens.
@@ -135,6 +137,11 @@ class Browser:
                     raise BrowserError(f"{method} failed: {message['error']}")
                 return message["result"]
 
+    def _drain(self) -> None:
+        """Take every message already in (events the tab sent since the last command)."""
+        while not self._inbox.empty():
+            self._receive(time.monotonic() + 1)
+
     def _evaluate(self, expression: str, session: str):
         result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session)
         if "exceptionDetails" in result:
@@ -171,3 +178,62 @@ class Browser:
             return Page(url, dom, done, sent)
         finally:
             self.send("Target.closeTarget", {"targetId": target})
+
+    @contextmanager
+    def tab(self, url: str, ready: str, width: int = 1280, height: int = 800, timeout: float = 20.0):
+        """A tab at a ``width`` x ``height`` viewport showing ``url`` once ``ready`` holds, to act on (``Tab``);
+        closed on leaving the block. Its console errors and uncaught exceptions are collected."""
+        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+        session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        try:
+            for domain in ("Page", "Runtime", "Network"):
+                self.send(f"{domain}.enable", session=session)
+            self.send("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
+                                                             "deviceScaleFactor": 1, "mobile": width < 600}, session)
+            self._events.clear()
+            loader = self.send("Page.navigate", {"url": url}, session)["loaderId"]
+            deadline = time.monotonic() + timeout
+            while not self._loaded(session, loader):
+                self._receive(deadline)
+            opened = Tab(self, session)
+            opened.wait(ready, timeout=max(deadline - time.monotonic(), 1.0))
+            yield opened
+        finally:
+            self.send("Target.closeTarget", {"targetId": target})
+
+
+class Tab:
+    """One open tab: evaluate expressions in it, wait for one to hold, take a screenshot, read its errors."""
+
+    def __init__(self, browser: Browser, session: str) -> None:
+        self.browser, self.session = browser, session
+
+    def evaluate(self, expression: str):
+        self.browser._drain()
+        return self.browser._evaluate(expression, self.session)
+
+    def wait(self, expression: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.evaluate(expression):
+            if time.monotonic() > deadline:
+                raise BrowserError(f"{expression[:80]!r} did not hold within {timeout} s")
+            time.sleep(0.05)
+
+    def screenshot(self, path) -> None:
+        shot = self.browser.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True},
+                                 self.session)
+        with open(path, "wb") as out:
+            out.write(base64.b64decode(shot["data"]))
+
+    def errors(self) -> list[str]:
+        """Console errors and uncaught exceptions of this tab so far."""
+        self.browser._drain()
+        found = []
+        for event in self.browser._events:
+            if event.get("sessionId") != self.session:
+                continue
+            if event["method"] == "Runtime.exceptionThrown":
+                found.append(event["params"]["exceptionDetails"].get("text", "an exception"))
+            elif event["method"] == "Runtime.consoleAPICalled" and event["params"]["type"] == "error":
+                found.append(" ".join(str(a.get("value", a.get("description", ""))) for a in event["params"]["args"]))
+        return found

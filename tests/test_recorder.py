@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -27,16 +28,16 @@ def run_recorded(name: str, path, prompts, tmp_path, **options):
         options["enforce_eager"] = True  # the schedule is what is recorded: no minute of torch.compile for it
     llm = mod.LLM(str(path), device="cpu", max_model_len=128, record_file=str(file), **options)
     engine, seen = llm.engine, []
-    recorded_schedule = engine.scheduler.schedule
+    runner = engine.runner
+    name = "prepare" if hasattr(runner, "prepare") else "execute"
+    recorded = getattr(runner, name)
 
-    def checked_schedule():  # beside the recorder: the engine's own state when each record is made
-        batch = recorded_schedule()
-        if batch is not None:
-            engine.check_integrity()
-            seen.append(engine_state(engine))
-        return batch
+    def checked(batch, *args):  # beside the recorder: the engine's own state when each record is made
+        seen.append(engine_state(engine))
+        engine.check_integrity()
+        return recorded(batch, *args)
 
-    engine.scheduler.schedule = checked_schedule
+    setattr(runner, name, checked)
     with llm:
         outputs = llm.generate(prompts, mod.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                use_tqdm=False)
@@ -76,6 +77,12 @@ def check_against_engine(record: dict, seen: list[dict], outputs) -> None:
             assert sum(1 for node in step["tree"] if node[3] > 0) == state["locks"], where
             parents = {node[0] for node in step["tree"]} | {-1}
             assert all(node[1] in parents for node in step["tree"]), f"{where}: a node's parent is in the tree"
+    end = record["end"]
+    assert end["batch"] == [] and end["waiting"] == [], "the run is over: nothing scheduled, nothing waiting"
+    if "free" in end:
+        assert sorted(end["gone"]) == sorted(record["requests"].index(r) for r in tables), "every table let go"
+        cached = {b for node in end.get("tree", []) for b in node[2]}
+        assert end["free"] + len(cached) == record["num_blocks"], "after the run a block is free or cached"
     computed: dict[str, int] = {}
     for step in record["steps"]:
         for r, before, new, _ in step["batch"]:
@@ -118,4 +125,22 @@ def test_a_shared_prefix_is_recorded_in_the_tree(tiny_model_path, tmp_path):
 def test_nothing_is_wrapped_without_a_record_file(tiny_model_path):
     mod = importlib.import_module("milestones.m3")
     llm = mod.LLM(str(tiny_model_path), device="cpu", max_model_len=64)
-    assert llm.recorder is None and "schedule" not in vars(llm.engine.scheduler)
+    assert llm.recorder is None and "execute" not in vars(llm.engine.runner)
+
+
+
+SHIPPED = ["m2", "m3", "m4", "m5", "m6", "m7"]
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_each_shipped_recording_is_of_its_milestone_in_this_format_and_small(name):
+    """The replay page's recordings (examples/record_run.py, see docs/replay.md): each at most 300 KB, in the format
+    the recorder writes now (rerun the example after changing it), and each chapter links its replay."""
+    path = DOCS / "assets" / "replay" / f"{name}.json"
+    record = json.loads(path.read_text())
+    assert record["milestone"] == name and record["version"] == recorder.FORMAT_VERSION, path
+    assert set(record["steps"][0]) >= {"batch", "waiting", "preemptions"} and "end" in record
+    assert path.stat().st_size <= 300 * 1024, f"{path}: {path.stat().st_size} bytes"
+    for chapter in (f"{name}.md", f"{name}.zh.md"):
+        assert f"(replay.md?run={name})" in (DOCS / chapter).read_text(), f"docs/{chapter} links no replay of {name}"

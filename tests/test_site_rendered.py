@@ -277,3 +277,59 @@ def test_notebook_pages_hold_their_outputs(site):
         if page.startswith("notebooks/"):
             html = (site / page / "index.html").read_text(encoding="utf-8")
             assert "jp-OutputArea-output" in html and not html.lstrip().startswith("{"), f"/{page} holds no outputs"
+
+
+REPLAY_RUNS = ["m2", "m3", "m4", "m5", "m6", "m7"]
+REPLAY_READY = 'document.getElementById("replay") && document.getElementById("replay").dataset.frames !== undefined'
+
+
+def replay_frames(run: str) -> list[dict]:
+    """The shipped recording's frames as the page should show them: the blocks in use at each, from the tables
+    rebuilt out of the file's changes; the state after the run last."""
+    record = json.loads((REPO_ROOT / "docs" / "assets" / "replay" / f"{run}.json").read_text())
+    tables, frames = {}, []
+    for step in [*record["steps"], record["end"]]:
+        for gone in step.get("gone", []):
+            del tables[str(gone)]
+        tables.update(step.get("tables", {}))
+        frames.append({"batch": len(step["batch"]), "in_use": len({b for t in tables.values() for b in t})})
+    return frames
+
+
+@pytest.mark.parametrize("edition", ["", "zh/"], ids=["en", "zh"])
+def test_the_replay_page_steps_through_every_shipped_recording(edition, site, base_url, browser):
+    """Each recording loads with no console error; a step forward shows that step's requests and blocks in use, as
+    the recording has them; the last frame, after the run, shows a pool with nothing in use."""
+    for run in REPLAY_RUNS:
+        frames = replay_frames(run)
+        with browser.tab(f"{base_url}{edition}replay/?run={run}", REPLAY_READY) as tab:
+            shown = 'document.querySelectorAll("#replay tr[data-request]").length'
+            in_use = '(document.querySelector("#replay .replay-pool") || {dataset: {}}).dataset.inUse'
+            assert tab.evaluate('document.getElementById("replay").dataset.run') == run
+            assert tab.evaluate(shown) == frames[0]["batch"], run
+            tab.evaluate('document.querySelector("#replay button[aria-label]:last-of-type").click()')
+            tab.wait('document.getElementById("replay").dataset.frame === "1"')
+            assert tab.evaluate(shown) == frames[1]["batch"], run
+            if run != "m2":  # m2 keeps no pool
+                assert int(tab.evaluate(in_use)) == frames[1]["in_use"], run
+            tab.evaluate('document.getElementById("replay").dispatchEvent(new KeyboardEvent("keydown", {key: "End"}))')
+            tab.wait(f'document.getElementById("replay").dataset.frame === "{len(frames) - 1}"')
+            assert tab.evaluate(shown) == 0, f"{run}: nothing is scheduled after the run"
+            if run != "m2":
+                assert int(tab.evaluate(in_use)) == 0, f"{run}: the pool holds nothing in use after the run"
+            assert not tab.errors(), f"{edition}replay/?run={run}: {tab.errors()}"
+
+
+@pytest.mark.parametrize("width", [1280, 390])
+def test_the_replay_page_fits_the_screen(width, site, base_url, browser, tmp_path_factory):
+    """At a laptop's width and a phone's, the page has no horizontal overflow; a screenshot of each is kept under the
+    test's folder (its path is printed)."""
+    shots = tmp_path_factory.mktemp("replay-screenshots")
+    for edition in ("", "zh/"):
+        with browser.tab(f"{base_url}{edition}replay/?run=m4", REPLAY_READY, width=width, height=800) as tab:
+            overflow = tab.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            path = shots / f"replay-{edition.strip('/') or 'en'}-{width}.png"
+            tab.screenshot(path)
+            print(f"screenshot: {path}")
+            assert overflow <= 0, f"{edition}replay/ at {width} px is {overflow} px wider than the screen ({path})"
+            assert not tab.errors(), tab.errors()
