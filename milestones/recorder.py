@@ -9,8 +9,9 @@ request's block table and the pool's free count, from m4 the radix tree's nodes 
 m7's guesses, and the preemptions so far. m6 plans step N + 1 while step N runs, so a record is the state at the
 moment a step is handed to the runner, in every milestone alike.
 
-The file is compact JSON: request ids become small numbers in order of first sight (``requests`` maps them back),
-and a block table is written only in the steps where it changed.
+The file is compact JSON: request ids become small numbers in order of first sight (``requests`` maps them back), a
+block table is written only in the steps where it changed and the tree only where it did, and a record costs what
+changed: the recorder watches the block manager's and the tree's calls that change them.
 """
 
 from __future__ import annotations
@@ -29,26 +30,48 @@ class Recorder:
         self.engine = engine
         self.steps: list[dict] = []
         self.requests: dict[str, int] = {}  # request id -> its number in the file
-        self._tables: dict[int, list[int]] = {}  # the tables as last written
+        self._written: dict[int, list[int]] = {}  # the block tables as the file has them so far
+        self._changed: set[str] = set()  # requests whose table may have changed since the last record
+        self._tree_changed = True  # whether the tree may have changed since the last record
         self._node_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a tree node -> its number
         self._next_node = itertools.count()
+        scheduler = engine.scheduler
         # Where a step's batch is final: the runner's first call with it (m6 on ``prepare``, before: ``execute``),
         # after the scheduler planned it and, in m7, the proposer added its guesses.
         runner = engine.runner
-        name = "prepare" if hasattr(runner, "prepare") else "execute"
-        entry = getattr(runner, name)
+        self._wrap(runner, "prepare" if hasattr(runner, "prepare") else "execute", self._before_step)
+        # What changes the bookkeeping, watched so that a record costs what changed, not the whole pool and tree:
+        # the block manager's calls that change a request's table, the tree's that change its nodes or locks.
+        blocks = getattr(scheduler, "block_manager", None)
+        for name in ("grow", "shrink", "share", "use_cached", "free"):
+            if blocks is not None and hasattr(blocks, name):
+                self._wrap(blocks, name, lambda request_id, *args, **kwargs: self._changed.add(request_id))
+        tree = getattr(scheduler, "tree", None)
+        for name in ("insert", "lock", "unlock", "evict"):
+            if tree is not None:
+                self._wrap(tree, name, lambda *args, **kwargs: setattr(self, "_tree_changed", True))
 
-        def recorded(batch, *args, **kwargs):
-            self.steps.append(self.snapshot(batch))
-            return entry(batch, *args, **kwargs)
+    @staticmethod
+    def _wrap(obj: Any, name: str, before) -> None:
+        """Call ``before`` with a method's arguments, then the method: an attribute of this object only (its class
+        is left as it is)."""
+        method = getattr(obj, name)
 
-        setattr(runner, name, recorded)  # an attribute of this runner only: the class is left as it is
+        def watched(*args, **kwargs):
+            before(*args, **kwargs)
+            return method(*args, **kwargs)
+
+        setattr(obj, name, watched)
+
+    def _before_step(self, batch: Any, *args, **kwargs) -> None:
+        self.steps.append(self.snapshot(batch))
 
     def number(self, request_id: str) -> int:
         return self.requests.setdefault(request_id, len(self.requests))
 
     def snapshot(self, batch: Any | None) -> dict:
-        """What one schedule decided (None: no step, the state alone), and the bookkeeping it left."""
+        """What one step does (None: no step, the state alone) and the bookkeeping that changed since the last
+        record: the tables that changed or went, the tree if it changed (absent: as in the record before)."""
         scheduler = self.engine.scheduler
         step: dict[str, Any] = {
             # [request, tokens computed before the step, new tokens, guesses among them (m7)]
@@ -59,15 +82,22 @@ class Recorder:
         }
         blocks = getattr(scheduler, "block_manager", None)
         if blocks is not None:  # m3 on: a paged pool
-            tables = {self.number(rid): list(table) for rid, table in blocks.block_tables.items()}
             step["free"] = blocks.num_free_blocks
-            step["tables"] = {str(r): t for r, t in tables.items() if self._tables.get(r) != t}
-            step["gone"] = sorted(r for r in self._tables if r not in tables)  # tables let go since the last step
-            self._tables = tables
+            step["tables"], step["gone"] = {}, []
+            for request_id in self._changed:
+                number, table = self.number(request_id), blocks.block_tables.get(request_id)
+                if table is None and number in self._written:
+                    step["gone"].append(number)
+                    del self._written[number]
+                elif table is not None and self._written.get(number) != table:
+                    step["tables"][str(number)] = self._written[number] = list(table)
+            step["gone"].sort()
+            self._changed.clear()
         tree = getattr(scheduler, "tree", None)
-        if tree is not None:  # m4 on: [node, parent (-1: the root), blocks, lock count]
+        if tree is not None and self._tree_changed:  # m4 on: [node, parent (-1: the root), blocks, lock count]
             step["tree"] = [[self._node_id(node), self._node_id(node.parent) if node.parent is not tree.root else -1,
                              list(node.blocks), node.lock_ref] for node in _nodes(tree.root)]
+            self._tree_changed = False
         return step
 
     def _node_id(self, node: Any) -> int:
@@ -79,9 +109,12 @@ class Recorder:
     def as_json(self) -> dict:
         scheduler, config = self.engine.scheduler, self.engine.config
         blocks = getattr(scheduler, "block_manager", None)
-        last_written = self._tables
-        end = self.snapshot(None)  # the bookkeeping as the run left it: a pool with nothing in use
-        self._tables = last_written  # the next step's changes are against the last step's, not the end's
+        # The state as the run left it (a pool with nothing in use), its changes against the last step's, kept out
+        # of the bookkeeping of what is written: a later generate's first step is against the last step too.
+        written, changed, tree_changed = dict(self._written), set(self._changed), self._tree_changed
+        self._tree_changed = True
+        end = self.snapshot(None)
+        self._written, self._changed, self._tree_changed = written, changed, tree_changed
         return {
             "version": FORMAT_VERSION,
             "milestone": type(self.engine).__module__.split(".")[-2],

@@ -34,6 +34,7 @@ from milestones.model_store import first_layers_copy
 
 from .host_rows import host_checkpoint, host_engine, host_row
 from .rows import (
+    FRONT_END_OPTIONS,
     MB,
     Measurement,
     MilestoneRow,
@@ -73,7 +74,7 @@ def engine_kwargs(mod: ModuleType, row: MilestoneRow, setup: Setup) -> dict:
         else:
             wanted["max_num_seqs"] = args.tight_kv
     for field in row.engine_options:
-        if field not in accepted:
+        if field not in accepted and field not in FRONT_END_OPTIONS:
             raise ValueError(f"{row.milestone} has no {field} option")
     own = dict(row.engine_options)
     speculative = own.get("speculative_config")

@@ -8,6 +8,7 @@ A field whose name starts with ``_`` is for the report only and never written.
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +50,10 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "int8": ("quantization", "int8"),  # per-channel int8 weights, made at load (CPU, float32)
     "reserve": ("new_token_ratio", 0.7),  # m3 on: SGLang's reservation and retraction, from SGLang's first ratio
     "prefill-first": ("batch_shape", "prefill-first"),  # m2 on: SGLang's steps, the prefills alone while there are any
+    # any milestone: the replay page's recorder on (milestones/recorder.py), its file thrown away: what recording costs
+    "record": ("record_file", os.devnull),
 }
+FRONT_END_OPTIONS = {"record_file"}  # options of the LLM front end (milestones/serving/llm.py), not of EngineConfig
 
 
 @dataclass(slots=True)

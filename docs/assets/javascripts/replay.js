@@ -39,17 +39,18 @@
     return `hsl(${(request * 137.508) % 360}, 62%, 58%)`;
   }
 
-  // Every frame's whole block tables, rebuilt from the file's changes (a table is written when it changed).
+  // Every frame's whole block tables and tree, rebuilt from the file's changes (each is written where it changed).
   function frames(record) {
     const steps = [...record.steps, { ...record.end, end: true }];
-    let tables = {};
+    let tables = {}, tree = undefined;
     return steps.map((step) => {
       if (step.tables) {
         tables = { ...tables };
         for (const gone of step.gone || []) delete tables[gone];
         Object.assign(tables, step.tables);
       }
-      return { ...step, allTables: tables };
+      if (step.tree) tree = step.tree;
+      return { ...step, allTables: tables, tree };
     });
   }
 
