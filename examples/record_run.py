@@ -62,16 +62,16 @@ def main() -> None:
     print(f"{args.milestone}: {len(steps)} steps of {len(record['requests'])} requests, "
           f"{args.out.stat().st_size / 1024:.1f} KB in {args.out}")
     print(f"  largest batch {max(len(s['batch']) for s in steps)} requests, "
-          f"{max(sum(new for _, _, new, _ in s['batch']) for s in steps)} tokens; "
+          f"{max(sum(entry[2] for entry in s['batch']) for s in steps)} tokens; "
           f"preemptions {steps[-1]['preemptions']}")
     if record["num_blocks"] is not None:
         print(f"  pool: {record['num_blocks']} blocks of {record['block_size']}, fewest free "
               f"{min(s['free'] for s in steps)}")
     if "tree" in steps[-1]:
         print(f"  tree: at most {max(len(s['tree']) for s in steps)} nodes")
-    guesses = sum(g for s in steps for *_, g in s["batch"])
-    if guesses:
-        print(f"  guesses checked: {guesses}")
+    checks = [entry for s in steps for entry in s["batch"] if entry[3]]
+    if checks:
+        print(f"  guesses checked: {sum(e[3] for e in checks)}, kept: {sum(e[4] for e in checks if len(e) > 4)}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ benchmark's clocks wrap the runner's calls, so no lesson function knows of it an
 as before. When a step's batch reaches the runner it keeps what was planned and the state the planning left: the
 step's requests with their new tokens (a prompt's chunk or a decode), the waiting queue, from m3 every running
 request's block table and the pool's free count, from m4 the radix tree's nodes with their blocks and lock counts,
-m7's guesses, and the preemptions so far. m6 plans step N + 1 while step N runs, so a record is the state at the
-moment a step is handed to the runner, in every milestone alike.
+m7's guesses and (once known) how many were kept, and the preemptions so far. m6 plans step N + 1 while step N runs,
+so a record is the state at the moment a step is handed to the runner, in every milestone alike.
 
 The file is compact JSON: request ids become small numbers in order of first sight (``requests`` maps them back), a
 block table is written only in the steps where it changed and the tree only where it did, and a record costs what
@@ -33,6 +33,8 @@ class Recorder:
         self._written: dict[int, list[int]] = {}  # the block tables as the file has them so far
         self._changed: set[str] = set()  # requests whose table may have changed since the last record
         self._tree_changed = True  # whether the tree may have changed since the last record
+        # m7: the last step's entries that check guesses, each with its request and the guesses it had kept before
+        self._checking: list[tuple[list, Any, int]] = []
         self._node_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a tree node -> its number
         self._next_node = itertools.count()
         scheduler = engine.scheduler
@@ -64,7 +66,16 @@ class Recorder:
         setattr(obj, name, watched)
 
     def _before_step(self, batch: Any, *args, **kwargs) -> None:
-        self.steps.append(self.snapshot(batch))
+        self._note_kept_guesses()
+        step = self.snapshot(batch)
+        self.steps.append(step)
+        self._checking = [(entry, seq, _kept(seq)) for entry, seq in zip(step["batch"], batch.seqs) if entry[3]]
+
+    def _note_kept_guesses(self) -> None:
+        """m7: how many of each request's guesses the last step kept, known once that step is processed (the step
+        after is planned only then, when guessing), written as the last field of the step's entry."""
+        for entry, seq, kept_before in self._checking:
+            entry[4:] = [_kept(seq) - kept_before]
 
     def number(self, request_id: str) -> int:
         return self.requests.setdefault(request_id, len(self.requests))
@@ -74,7 +85,7 @@ class Recorder:
         record: the tables that changed or went, the tree if it changed (absent: as in the record before)."""
         scheduler = self.engine.scheduler
         step: dict[str, Any] = {
-            # [request, tokens computed before the step, new tokens, guesses among them (m7)]
+            # [request, tokens computed before the step, new tokens, guesses among them (m7)[, guesses kept]]
             "batch": [[self.number(seq.request_id), seq.num_computed_tokens, num_new, _guesses(seq)]
                       for seq, num_new in zip(batch.seqs, batch.num_new_tokens)] if batch is not None else [],
             "waiting": [self.number(seq.request_id) for seq in scheduler.waiting],
@@ -111,6 +122,7 @@ class Recorder:
         blocks = getattr(scheduler, "block_manager", None)
         # The state as the run left it (a pool with nothing in use), its changes against the last step's, kept out
         # of the bookkeeping of what is written: a later generate's first step is against the last step too.
+        self._note_kept_guesses()  # the last step's, the run being over (again, the same, if more steps follow)
         written, changed, tree_changed = dict(self._written), set(self._changed), self._tree_changed
         self._tree_changed = True
         end = self.snapshot(None)
@@ -128,6 +140,10 @@ class Recorder:
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_json(), separators=(",", ":")))
+
+
+def _kept(seq: Any) -> int:
+    return seq.metrics.num_accepted_tokens
 
 
 def _guesses(seq: Any) -> int:

@@ -86,7 +86,7 @@ def check_against_engine(record: dict, seen: list[dict], outputs) -> None:
         assert end["free"] + len(cached) == record["num_blocks"], "after the run a block is free or cached"
     computed: dict[str, int] = {}
     for step in record["steps"]:
-        for r, before, new, _ in step["batch"]:
+        for r, before, new, *_ in step["batch"]:
             computed[names[r]] = before + new
     for out in outputs:
         total = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1  # the last token is never computed
@@ -99,7 +99,7 @@ def test_each_step_is_recorded_as_the_engine_scheduled_it(name, tiny_model_path,
     record, seen, outputs, _ = run_recorded(name, tiny_model_path, PROMPTS, tmp_path, **options)
     assert record["milestone"] == name and record["version"] == recorder.FORMAT_VERSION
     check_against_engine(record, seen, outputs)
-    new_tokens = {new for step in record["steps"] for _, _, new, _ in step["batch"]}
+    new_tokens = {entry[2] for step in record["steps"] for entry in step["batch"]}
     assert 1 in new_tokens and max(new_tokens) > 1, "prompts' chunks and decodes, each with its own count"
 
 
@@ -117,7 +117,7 @@ def test_a_shared_prefix_is_recorded_in_the_tree(tiny_model_path, tmp_path):
     prompts = [SHARED + [300 + i] for i in range(4)]
     record, seen, outputs, engine = run_recorded("m4", tiny_model_path, prompts, tmp_path, max_num_seqs=1)
     check_against_engine(record, seen, outputs)
-    hits = [r for step in record["steps"] for r, before, _, _ in step["batch"] if before >= len(SHARED)]
+    hits = [entry[0] for step in record["steps"] for entry in step["batch"] if entry[1] >= len(SHARED)]
     assert hits, "the later requests start past the cached prefix"
     assert any(node[3] > 0 for step in record["steps"] for node in step.get("tree", [])), "a request locks a node"
     assert sum("tree" in step for step in record["steps"]) < len(record["steps"]), "the tree written where it changed"

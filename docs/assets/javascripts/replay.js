@@ -9,6 +9,7 @@
       run: "Recording", own: "or load your own:", prev: "Previous step", next: "Next step", step: "Step",
       after: "after the run", of: "of", batch: "The step's batch", request: "request", before: "computed before",
       fresh: "new tokens", kind: "kind", prefill: "prompt chunk", decode: "decode", guesses: "guesses checked",
+      kept: "kept",
       waiting: "Waiting", none: "none", pool: "The KV pool", free: "free", cached: "cached by the tree",
       inUse: "in use", shared: "shared", noPool: "This milestone keeps no block pool (m3 brings it).",
       tree: "The radix tree", noTree: "This milestone has no prefix cache (m4 brings it).", node: "node",
@@ -18,7 +19,7 @@
     zh: {
       run: "录制", own: "或载入你自己的：", prev: "上一步", next: "下一步", step: "第", after: "运行结束后", of: "步，共",
       batch: "这一步的批次", request: "请求", before: "此前已算", fresh: "新 token", kind: "类型", prefill: "提示词分块",
-      decode: "解码", guesses: "待验证的猜测", waiting: "等待队列", none: "无", pool: "KV 池", free: "空闲",
+      decode: "解码", guesses: "待验证的猜测", kept: "保留", waiting: "等待队列", none: "无", pool: "KV 池", free: "空闲",
       cached: "树缓存", inUse: "使用中", shared: "共享", noPool: "这个里程碑还没有块池（m3 才有）。", tree: "基数树",
       noTree: "这个里程碑还没有前缀缓存（m4 才有）。", node: "节点", blocks: "块", locks: "锁数", chart: "每步计算的 token 数",
       preemptions: "累计抢占", error: "无法读取这份录制",
@@ -90,12 +91,13 @@
   function batchView(frame, L) {
     if (!frame.batch.length) return el("p", { class: "replay-note", text: L.none });
     const head = el("tr", {}, ...[L.request, L.before, L.fresh, L.kind, L.guesses].map((t) => el("th", { text: t })));
-    const rows = frame.batch.map(([request, before, fresh, guesses]) => {
+    const rows = frame.batch.map(([request, before, fresh, guesses, kept]) => {
       const swatch = el("span", { class: "replay-swatch" });
       swatch.style.background = colour(request);
       const kind = fresh - guesses > 1 ? L.prefill : L.decode;
       return el("tr", { "data-request": request }, el("td", {}, swatch, ` ${request}`), el("td", { text: before }),
-                el("td", { text: fresh }), el("td", { text: kind }), el("td", { text: guesses || "" }));
+                el("td", { text: fresh }), el("td", { text: kind }),
+                el("td", { text: guesses ? (kept === undefined ? guesses : `${guesses} (${L.kept} ${kept})`) : "" }));
     });
     return el("table", { class: "replay-batch" }, el("thead", {}, head), el("tbody", {}, ...rows));
   }
