@@ -5,7 +5,7 @@ shared prefix of --prefix-len tokens (what m4's tree keeps), the others with pro
 once and decoding --max-tokens tokens each, greedy; --num-kv-blocks small enough (m3 on) and the pool fills up, so
 requests are preempted. It writes the recording (``LLM(record_file=...)``) and prints what it holds.
 
-    python examples/record_run.py --milestone m3 --out run.json [--num-kv-blocks 24] [--ngram 3 (m7)]
+    python examples/record_run.py --milestone m3 --out run.json [--num-kv-blocks 24] [--ngram 3 (m7)] [--overlap (m6)]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="m3 on: the pool's size in blocks")
     parser.add_argument("--ngram", type=int, default=None, metavar="K",
                         help="m7 on: guess K tokens a step by prompt lookup (speculative_config's ngram)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="m6 on: overlap scheduling, its trace on, so that the recording holds each step's spans")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="a Hugging Face folder; default: the bundled SmolLM2-135M")
     parser.add_argument("--device", default="cpu")
@@ -43,6 +46,8 @@ def main() -> None:
                if k in accepted and v is not None}
     if args.ngram is not None:
         options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram}
+    if args.overlap:
+        options.update(async_scheduling=True, trace_file=os.devnull)  # the spans are kept in the recording
     if "enforce_eager" in accepted:
         options["enforce_eager"] = True  # the recording is of the schedule: no capture to wait for
     llm = mod.LLM(args.model, device=args.device, max_model_len=256, seed=args.seed, record_file=str(args.out),
@@ -69,6 +74,8 @@ def main() -> None:
               f"{min(s['free'] for s in steps)}")
     if "tree" in steps[-1]:
         print(f"  tree: at most {max(len(s['tree']) for s in steps)} nodes")
+    if record["spans"]:
+        print(f"  spans: {len(record['spans'])} (schedule, forward, process) over {len(steps)} steps")
     checks = [entry for s in steps for entry in s["batch"] if entry[3]]
     if checks:
         print(f"  guesses checked: {sum(e[3] for e in checks)}, kept: {sum(e[4] for e in checks if len(e) > 4)}")

@@ -6,8 +6,9 @@ benchmark's clocks wrap the runner's calls, so no lesson function knows of it an
 as before. When a step's batch reaches the runner it keeps what was planned and the state the planning left: the
 step's requests with their new tokens (a prompt's chunk or a decode), the waiting queue, from m3 every running
 request's block table and the pool's free count, from m4 the radix tree's nodes with their blocks and lock counts,
-m7's guesses and (once known) how many were kept, and the preemptions so far. m6 plans step N + 1 while step N runs,
-so a record is the state at the moment a step is handed to the runner, in every milestone alike.
+m7's guesses and (once known) how many were kept, and the preemptions so far; from m6 on, with its trace on, each
+step's host and device spans. m6 plans step N + 1 while step N runs, so a record is the state at the moment a step
+is handed to the runner, in every milestone alike.
 
 The file is compact JSON: request ids become small numbers in order of first sight (``requests`` maps them back), a
 block table is written only in the steps where it changed and the tree only where it did, and a record costs what
@@ -136,7 +137,21 @@ class Recorder:
             "requests": list(self.requests),
             "steps": self.steps,
             "end": end,
+            "spans": self.spans(),
         }
+
+    def spans(self) -> list[list]:
+        """m6 on, with its trace on (``trace_file``): each step's host and device work as [record, kind, start ms,
+        milliseconds], kind "schedule" or "process" (the host) or "forward" (the device's, on the worker). The
+        trace numbers its steps as they are launched, the order the records are made in."""
+        tracer = getattr(self.engine, "tracer", None)
+        if tracer is None or not tracer.enabled:
+            return []
+        events = [e for e in tracer.events if e.get("ph") == "X"]
+        launched = [e["args"]["step"] for e in events if e["name"] == "schedule"]
+        record_of = {number: index for index, number in enumerate(launched[: len(self.steps)])}
+        return [[record_of[e["args"]["step"]], e["name"], round(e["ts"] / 1e3, 3), round(e["dur"] / 1e3, 3)]
+                for e in events if e["args"]["step"] in record_of]
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.as_json(), separators=(",", ":")))

@@ -146,3 +146,19 @@ def test_each_shipped_recording_is_of_its_milestone_in_this_format_and_small(nam
     assert path.stat().st_size <= 300 * 1024, f"{path}: {path.stat().st_size} bytes"
     for chapter in (f"{name}.md", f"{name}.zh.md"):
         assert f"(replay.md?run={name})" in (DOCS / chapter).read_text(), f"docs/{chapter} links no replay of {name}"
+
+
+def test_m6_s_spans_with_its_trace_on_show_the_overlap(tiny_model_path, tmp_path):
+    """With overlap and the trace on, every record has its schedule, forward and process spans, and some step's
+    schedule begins before the forward of the step before it ends: the host planned it while the device computed."""
+    record, seen, outputs, _ = run_recorded("m6", tiny_model_path, PROMPTS, tmp_path, max_num_seqs=3,
+                                            max_num_batched_tokens=16, async_scheduling=True,
+                                            trace_file=str(tmp_path / "trace.json"))
+    check_against_engine(record, seen, outputs)
+    kinds: dict[int, dict[str, tuple[float, float]]] = {}
+    for step, kind, start, ms in record["spans"]:
+        kinds.setdefault(step, {})[kind] = (start, start + ms)
+    assert sorted(kinds) == list(range(len(record["steps"]))), "spans for every record, and only for them"
+    assert all(set(k) == {"schedule", "forward", "process"} for k in kinds.values())
+    assert any(kinds[k + 1]["schedule"][0] < kinds[k]["forward"][1] for k in range(len(kinds) - 1)), record["spans"]
+    assert run_recorded("m3", tiny_model_path, PROMPTS[:2], tmp_path)[0]["spans"] == [], "no trace, no spans"

@@ -310,6 +310,8 @@ def test_the_replay_page_steps_through_every_shipped_recording(edition, site, ba
             tab.evaluate('document.querySelector("#replay button[aria-label]:last-of-type").click()')
             tab.wait('document.getElementById("replay").dataset.frame === "1"')
             assert tab.evaluate(shown) == frames[1]["batch"], run
+            spans = tab.evaluate('(document.querySelector("#replay [data-spans]") || {dataset: {}}).dataset.spans')
+            assert (spans is not None) == (run == "m6"), f"{run}: only m6's recording is traced, spans {spans}"
             if run != "m2":  # m2 keeps no pool
                 assert int(tab.evaluate(in_use)) == frames[1]["in_use"], run
             tab.evaluate('document.getElementById("replay").dispatchEvent(new KeyboardEvent("keydown", {key: "End"}))')

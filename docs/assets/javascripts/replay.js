@@ -14,7 +14,7 @@
       inUse: "in use", shared: "shared", noPool: "This milestone keeps no block pool (m3 brings it).",
       tree: "The radix tree", noTree: "This milestone has no prefix cache (m4 brings it).", node: "node",
       blocks: "blocks", locks: "locked by", chart: "Tokens computed per step", preemptions: "preemptions so far",
-      error: "Could not read this recording",
+      error: "Could not read this recording", spans: "Host and device, this step and its neighbours",
     },
     zh: {
       run: "录制", own: "或载入你自己的：", prev: "上一步", next: "下一步", step: "第", after: "运行结束后", of: "步，共",
@@ -22,7 +22,7 @@
       decode: "解码", guesses: "待验证的猜测", kept: "保留", waiting: "等待队列", none: "无", pool: "KV 池", free: "空闲",
       cached: "树缓存", inUse: "使用中", shared: "共享", noPool: "这个里程碑还没有块池（m3 才有）。", tree: "基数树",
       noTree: "这个里程碑还没有前缀缓存（m4 才有）。", node: "节点", blocks: "块", locks: "锁数", chart: "每步计算的 token 数",
-      preemptions: "累计抢占", error: "无法读取这份录制",
+      preemptions: "累计抢占", error: "无法读取这份录制", spans: "主机与设备：这一步及前后各一步",
     },
   };
 
@@ -134,6 +134,41 @@
     return svg;
   }
 
+  // m6 on, traced: the spans of this step and its neighbours on three rows, the host's (schedule, process) and the
+  // device's (forward): with overlap, the next step's schedule sits inside this step's forward.
+  function spansView(record, index, L) {
+    const near = record.spans.filter((span) => Math.abs(span[0] - index) <= 1);
+    if (!near.length) return el("p", { class: "replay-note", text: L.none });
+    const rows = ["schedule", "forward", "process"], width = 600, row = 18, left = 70;
+    const start = Math.min(...near.map((s) => s[2])), end = Math.max(...near.map((s) => s[2] + s[3]));
+    const x = (ms) => left + ((ms - start) / Math.max(end - start, 1e-6)) * (width - left - 4);
+    const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+    svg.setAttribute("viewBox", `0 0 ${width} ${rows.length * row + 16}`);
+    svg.setAttribute("class", "replay-chart replay-spans");
+    rows.forEach((name, r) => {
+      const text = document.createElementNS("http://www.w3.org/2000/svg", "text");
+      text.setAttribute("x", 0);
+      text.setAttribute("y", r * row + 13);
+      text.setAttribute("class", "replay-span-label");
+      text.textContent = name;
+      svg.append(text);
+    });
+    for (const [step, name, at, ms] of near) {
+      const rect = document.createElementNS("http://www.w3.org/2000/svg", "rect");
+      rect.setAttribute("x", x(at));
+      rect.setAttribute("y", rows.indexOf(name) * row + 2);
+      rect.setAttribute("width", Math.max(1.5, x(at + ms) - x(at)));
+      rect.setAttribute("height", row - 4);
+      rect.setAttribute("class", step === index ? "replay-bar replay-bar-now" : "replay-bar");
+      const title = document.createElementNS("http://www.w3.org/2000/svg", "title");
+      title.textContent = `${L.step} ${step + 1}: ${name} ${ms.toFixed(2)} ms`;
+      rect.append(title);
+      svg.append(rect);
+    }
+    const note = el("p", { class: "replay-note", text: `${(end - start).toFixed(1)} ms` });
+    return el("div", { "data-spans": near.length }, svg, note);
+  }
+
   function section(title, body) {
     return el("section", { class: "replay-section" }, el("h4", { text: title }), body);
   }
@@ -161,13 +196,15 @@
       label.textContent = frame.end ? L.after
         : (L === LABELS.zh ? `${L.step} ${index + 1} ${L.of} ${all.length - 1} 步`
                            : `${L.step} ${index + 1} ${L.of} ${all.length - 1}`);
-      view.replaceChildren(
+      const parts = [
         section(L.batch, batchView(frame, L)),
         section(L.waiting, el("p", { class: "replay-note", text: frame.waiting.length ? frame.waiting.join(", ") : L.none })),
         section(L.pool, poolView(record, frame, L)),
         section(L.tree, treeView(frame, L)),
         section(L.chart, chartView(all, index, L)),
-      );
+      ];
+      if ((record.spans || []).length && !frame.end) parts.push(section(L.spans, spansView(record, index, L)));
+      view.replaceChildren(...parts);
       root.dataset.frame = String(index);
       root.dataset.frames = String(all.length);
     }
