@@ -219,6 +219,13 @@ class Tab:
                 raise BrowserError(f"{expression[:80]!r} did not hold within {timeout} s")
             time.sleep(0.05)
 
+    def choose_file(self, selector: str, path) -> None:
+        """Set the file input at ``selector`` to ``path``, as a user choosing it would (its change event fires)."""
+        self.browser.send("DOM.enable", session=self.session)
+        root = self.browser.send("DOM.getDocument", {}, self.session)["root"]["nodeId"]
+        node = self.browser.send("DOM.querySelector", {"nodeId": root, "selector": selector}, self.session)["nodeId"]
+        self.browser.send("DOM.setFileInputFiles", {"files": [str(path)], "nodeId": node}, self.session)
+
     def screenshot(self, path) -> None:
         shot = self.browser.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True},
                                  self.session)

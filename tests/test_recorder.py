@@ -162,3 +162,30 @@ def test_m6_s_spans_with_its_trace_on_show_the_overlap(tiny_model_path, tmp_path
     assert all(set(k) == {"schedule", "forward", "process"} for k in kinds.values())
     assert any(kinds[k + 1]["schedule"][0] < kinds[k]["forward"][1] for k in range(len(kinds) - 1)), record["spans"]
     assert run_recorded("m3", tiny_model_path, PROMPTS[:2], tmp_path)[0]["spans"] == [], "no trace, no spans"
+
+
+@pytest.mark.parametrize("name", ["m3", "m4", "m7"])
+def test_the_chain_s_workload_is_recorded_as_the_engine_ran_it(name, tiny_model_path, tmp_path):
+    """The chain's mixed workload (sampling settings of every kind, n > 1, prompt log-probabilities, structured
+    output, EOS stops) on a pool that preempts: each record against the engine's state at that step."""
+    from tests.chain import mixed_workload
+
+    mod = importlib.import_module(f"milestones.{name}")
+    prompts, settings = mixed_workload(10, seed=3, max_prompt=40, max_output=16)
+    file, seen = tmp_path / "chain.json", []
+    options = {"enforce_eager": True} if name == "m7" else {}
+    llm = mod.LLM(str(tiny_model_path), device="cpu", max_model_len=128, record_file=str(file), max_num_seqs=4,
+                  max_num_batched_tokens=32, block_size=4, num_kv_blocks=24, **options)
+    recorded = llm.engine.runner.prepare if name == "m7" else llm.engine.runner.execute
+
+    def checked(batch, *args):
+        seen.append(engine_state(llm.engine))
+        llm.engine.check_integrity()
+        return recorded(batch, *args)
+
+    setattr(llm.engine.runner, "prepare" if name == "m7" else "execute", checked)
+    with llm:
+        llm.generate(prompts, [mod.SamplingParams(**s) for s in settings], use_tqdm=False)
+    record = json.loads(file.read_text())
+    check_against_engine(record, seen, [])
+    assert llm.engine.scheduler.num_preemptions > 0 or name != "m3", "the pool is meant to preempt"

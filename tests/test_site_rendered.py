@@ -335,3 +335,18 @@ def test_the_replay_page_fits_the_screen(width, site, base_url, browser, tmp_pat
             print(f"screenshot: {path}")
             assert overflow <= 0, f"{edition}replay/ at {width} px is {overflow} px wider than the screen ({path})"
             assert not tab.errors(), tab.errors()
+
+
+def test_the_replay_page_loads_a_learners_own_recording(site, base_url, browser, tiny_model_path, tmp_path):
+    """A recording the example writes, chosen with the page's file picker, replaces the shipped one."""
+    own = tmp_path / "own.json"
+    subprocess.run([sys.executable, "examples/record_run.py", "--model", str(tiny_model_path), "--milestone", "m3",
+                    "--out", str(own), "--num-requests", "3", "--max-tokens", "4", "--num-kv-blocks", "16"],
+                   cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
+    steps = len(json.loads(own.read_text())["steps"])
+    with browser.tab(f"{base_url}replay/?run=m2", REPLAY_READY) as tab:
+        tab.choose_file('#replay input[type="file"]', own)
+        tab.wait('document.getElementById("replay").dataset.run === "own.json"')
+        assert tab.evaluate('document.getElementById("replay").dataset.frames') == str(steps + 1)
+        assert tab.evaluate('document.querySelector("#replay .replay-pool").dataset.free') is not None
+        assert not tab.errors(), tab.errors()
