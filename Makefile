@@ -22,9 +22,15 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $(STAMP)
 
-# Convert the bundled GGUF to safetensors once (~20 s); cached in ~/.cache/milestones.
-model: $(STAMP)
+# Convert the bundled GGUF to safetensors once (~20 s); cached in ~/.cache/milestones. Then build the C++ kernels
+# side by side (~1 minute once, on two cores; cached in ~/.cache/torch_extensions), not one by one in the first run.
+KERNEL_STAMP := $(VENV)/.kernels-built
+model: $(STAMP) $(KERNEL_STAMP)
 	$(PY) -c "from milestones.model_store import resolve_model; print('model ready in', resolve_model())"
+
+$(KERNEL_STAMP): $(STAMP) $(wildcard milestones/kernels/*.cpp) milestones/kernels/build.py milestones/kernels/prebuild.py
+	$(PY) -m milestones.kernels.prebuild
+	touch $(KERNEL_STAMP)
 
 demo: model
 	$(PY) examples/m2_inference.py
