@@ -17,9 +17,7 @@ changed: the recorder watches the block manager's and the tree's calls that chan
 
 from __future__ import annotations
 
-import itertools
 import json
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +34,20 @@ class Recorder:
         self._tree_changed = True  # whether the tree may have changed since the last record
         # m7: the last step's entries that check guesses, each with its request and the guesses it had kept before
         self._checking: list[tuple[list, Any, int]] = []
-        self._node_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a tree node -> its number
-        self._next_node = itertools.count()
+        # A tree node -> its number. Held for the recorder's life, so that an evicted node's number is never given
+        # to another: a recording's run is short, and a weak dictionary's lookups made the tree's records slow.
+        self._node_ids: dict[Any, int] = {}
         scheduler = engine.scheduler
         # Where a step's batch is final: the runner's first call with it (m6 on ``prepare``, before: ``execute``),
         # after the scheduler planned it and, in m7, the proposer added its guesses.
         runner = engine.runner
         self._wrap(runner, "prepare" if hasattr(runner, "prepare") else "execute", self._before_step)
         # What changes the bookkeeping, watched so that a record costs what changed, not the whole pool and tree:
-        # the block manager's calls that change a request's table, the tree's that change its nodes or locks.
+        # the block manager's calls that change a request's table, the tree's that change its nodes or locks. A
+        # table grows only for a request the step runs, so ``grow`` (called for every one, every step) is not
+        # watched: the step's own requests are compared anyway.
         blocks = getattr(scheduler, "block_manager", None)
-        for name in ("grow", "shrink", "share", "use_cached", "free"):
+        for name in ("shrink", "share", "use_cached", "free"):
             if blocks is not None and hasattr(blocks, name):
                 self._wrap(blocks, name, lambda request_id, *args, **kwargs: self._changed.add(request_id))
         tree = getattr(scheduler, "tree", None)
@@ -94,6 +95,8 @@ class Recorder:
         }
         blocks = getattr(scheduler, "block_manager", None)
         if blocks is not None:  # m3 on: a paged pool
+            if batch is not None:
+                self._changed.update(seq.request_id for seq in batch.seqs)
             step["free"] = blocks.num_free_blocks
             step["tables"], step["gone"] = {}, []
             for request_id in self._changed:
@@ -107,16 +110,15 @@ class Recorder:
             self._changed.clear()
         tree = getattr(scheduler, "tree", None)
         if tree is not None and self._tree_changed:  # m4 on: [node, parent (-1: the root), blocks, lock count]
-            step["tree"] = [[self._node_id(node), self._node_id(node.parent) if node.parent is not tree.root else -1,
-                             list(node.blocks), node.lock_ref] for node in _nodes(tree.root)]
+            ids, root = self._node_ids, tree.root
+            nodes = _nodes(root)
+            for node in nodes:  # parents before children: a parent has its number when its children ask for it
+                if node not in ids:
+                    ids[node] = len(ids)
+            step["tree"] = [[ids[node], ids[node.parent] if node.parent is not root else -1, list(node.blocks),
+                             node.lock_ref] for node in nodes]
             self._tree_changed = False
         return step
-
-    def _node_id(self, node: Any) -> int:
-        """A node's number for as long as it lives (weakly held: an evicted node's number is never reused)."""
-        if node not in self._node_ids:
-            self._node_ids[node] = next(self._next_node)
-        return self._node_ids[node]
 
     def as_json(self) -> dict:
         scheduler, config = self.engine.scheduler, self.engine.config
