@@ -12,7 +12,8 @@ is handed to the runner, in every milestone alike.
 
 The file is compact JSON: request ids become small numbers in order of first sight (``requests`` maps them back), a
 block table is written only in the steps where it changed and the tree only where it did, and a record costs what
-changed: the recorder watches the block manager's and the tree's calls that change them.
+changed: the recorder compares the tables of the step's own requests and watches the block manager's and the tree's
+other calls that change them.
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ class Recorder:
         # table grows only for a request the step runs, so ``grow`` (called for every one, every step) is not
         # watched: the step's own requests are compared anyway.
         blocks = getattr(scheduler, "block_manager", None)
-        for name in ("shrink", "share", "use_cached", "free"):
-            if blocks is not None and hasattr(blocks, name):
-                self._wrap(blocks, name, lambda request_id, *args, **kwargs: self._changed.add(request_id))
+        if blocks is not None:  # m3 on (``shrink``: m7 on)
+            for name in ("shrink", "share", "use_cached", "free"):
+                if hasattr(blocks, name):
+                    self._wrap(blocks, name, lambda request_id, *args, **kwargs: self._changed.add(request_id))
         tree = getattr(scheduler, "tree", None)
-        for name in ("insert", "lock", "unlock", "evict"):
-            if tree is not None:
+        if tree is not None:  # m4 on
+            for name in ("insert", "lock", "unlock", "evict"):
                 self._wrap(tree, name, lambda *args, **kwargs: setattr(self, "_tree_changed", True))
 
     @staticmethod

@@ -21,7 +21,10 @@ PROMPTS = [list(range(40, 40 + n)) for n in (9, 23, 5, 17, 30, 12)]
 SHARED = list(range(200, 232))  # two blocks of 16: what m4's tree keeps for the second request on
 
 
-def run_recorded(name: str, path, prompts, tmp_path, **options):
+def run_recorded(name: str, path, prompts, tmp_path, settings=None, **options):
+    """Generate ``prompts`` (greedy, 12 tokens; or one SamplingParams per request from ``settings``) with the
+    recorder on, reading the engine's own state each time a record is made; the file, those states, the outputs
+    and the engine."""
     mod = importlib.import_module(f"milestones.{name}")
     file = tmp_path / f"{name}.json"
     if name in ("m5", "m6", "m7", "m8"):
@@ -38,9 +41,10 @@ def run_recorded(name: str, path, prompts, tmp_path, **options):
         return recorded(batch, *args)
 
     setattr(runner, name, checked)
+    params = ([mod.SamplingParams(**s) for s in settings] if settings is not None
+              else mod.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     with llm:
-        outputs = llm.generate(prompts, mod.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                               use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     return json.loads(file.read_text()), seen, outputs, engine
 
 
@@ -170,22 +174,14 @@ def test_the_chain_s_workload_is_recorded_as_the_engine_ran_it(name, tiny_model_
     output, EOS stops) on a pool that preempts: each record against the engine's state at that step."""
     from tests.chain import mixed_workload
 
-    mod = importlib.import_module(f"milestones.{name}")
     prompts, settings = mixed_workload(10, seed=3, max_prompt=40, max_output=16)
-    file, seen = tmp_path / "chain.json", []
-    options = {"enforce_eager": True} if name == "m7" else {}
-    llm = mod.LLM(str(tiny_model_path), device="cpu", max_model_len=128, record_file=str(file), max_num_seqs=4,
-                  max_num_batched_tokens=32, block_size=4, num_kv_blocks=24, **options)
-    recorded = llm.engine.runner.prepare if name == "m7" else llm.engine.runner.execute
+    record, seen, _, engine = run_recorded(name, tiny_model_path, prompts, tmp_path, settings, max_num_seqs=4,
+                                           max_num_batched_tokens=32, block_size=4, num_kv_blocks=24)
+    check_against_engine(record, seen, [])  # n > 1: the outputs are the parents', not the requests the steps ran
+    assert engine.scheduler.num_preemptions > 0 or name != "m3", "the pool is meant to preempt"
 
-    def checked(batch, *args):
-        seen.append(engine_state(llm.engine))
-        llm.engine.check_integrity()
-        return recorded(batch, *args)
 
-    setattr(llm.engine.runner, "prepare" if name == "m7" else "execute", checked)
-    with llm:
-        llm.generate(prompts, [mod.SamplingParams(**s) for s in settings], use_tqdm=False)
-    record = json.loads(file.read_text())
-    check_against_engine(record, seen, [])
-    assert llm.engine.scheduler.num_preemptions > 0 or name != "m3", "the pool is meant to preempt"
+def test_a_record_file_that_cannot_be_written_is_refused_before_any_work(tiny_model_path, tmp_path):
+    mod = importlib.import_module("milestones.m2")
+    with pytest.raises(ValueError, match="does not exist or cannot be written; pick a path in a writable folder"):
+        mod.LLM(str(tiny_model_path), device="cpu", max_model_len=64, record_file=str(tmp_path / "no" / "run.json"))

@@ -6,7 +6,9 @@ Each milestone binds it to its own engine in its ``__init__.py`` (``class LLM(se
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
+from pathlib import Path
 from typing import Any, ClassVar
 
 from tqdm.auto import tqdm
@@ -29,7 +31,7 @@ class LLM:
     engine_class: ClassVar[type]  # the milestone's LLMEngine, set by the milestone's subclass
     config_class: ClassVar[type]  # and its EngineConfig
 
-    def __init__(self, model: str | None = None, *, device=None, dtype=None, record_file: str | None = None,
+    def __init__(self, model: str | None = None, *, device=None, dtype=None, record_file: str | Path | None = None,
                  **kwargs) -> None:
         """``record_file``: keep every step's schedule and bookkeeping for the replay page (milestones/recorder.py),
         written there after each ``generate`` and on ``close``."""
@@ -37,6 +39,11 @@ class LLM:
         unknown = set(kwargs) - accepted
         if unknown:
             raise TypeError(f"unknown LLM option(s) {sorted(unknown)}; accepted: {sorted(accepted)}")
+        if record_file is not None:  # refused now, not after a generate whose outputs the failing write would lose
+            folder = Path(record_file).parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK):
+                raise ValueError(f"record_file={str(record_file)!r}: its folder {str(folder)!r} does not exist or "
+                                 "cannot be written; pick a path in a writable folder")
         self.engine: Any = self.engine_class(self.config_class(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self.record_file = record_file
