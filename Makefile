@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 MODEL_STAMP := $(VENV)/.model-ready
 
-.PHONY: serve exercise check mutations setup model demo test test-fast test-triton test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 test-m7 test-m8 docs docs-serve bench gpu-check lint clean
+.PHONY: serve exercise check mutations setup model demo test test-fast test-triton test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 test-m7 test-m8 test-m9 docs docs-serve bench gpu-check lint clean
 
 setup: $(STAMP)
 
@@ -49,7 +49,7 @@ test-triton: model
 	$(PIP) install --quiet triton==3.9.0
 	TRITON_INTERPRET=1 $(PY) -m pytest -p no:cacheprovider $(TRITON_TESTS)
 
-test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 test-m7 test-m8: test-m%: model  # static: a phony target skips plain pattern rules
+test-m1 test-m2 test-m3 test-m4 test-m5 test-m6 test-m7 test-m8 test-m9: test-m%: model  # static: a phony target skips plain pattern rules
 	MILESTONES=m$* $(PY) -m pytest tests/m$* tests/contract tests/kernels
 
 docs: $(STAMP)

@@ -13,7 +13,7 @@ the plumbing every milestone uses alike beside them (``options``, ``speculative_
 
 import os
 
-MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8"]
+MILESTONES = ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "m8", "m9"]
 
 CHANGED_FILES: dict[str, set[str]] = {
     "m1": set(),
@@ -40,6 +40,9 @@ CHANGED_FILES: dict[str, set[str]] = {
     # tensor parallelism: ranks with a shard of every layer, two all-reduces a layer, worker processes, rank 0 samples
     "m8": {"__init__.py", "config.py", "distributed.py", "engine.py", "executor.py", "model.py", "model_runner.py",
            "step.py"},
+    # prefill/decode disaggregation: workers in two roles, a prompt's blocks reserved on the decode side before its
+    # prefill and sent there after it, a router (cache-aware or round-robin) in front
+    "m9": {"__init__.py", "config.py", "engine.py", "scheduler.py", "disaggregation.py", "router.py", "pd_engine.py"},
 }
 
 # `make check` runs the tests with a learner's package as milestones.mK ($MILESTONE_IMPL, set by

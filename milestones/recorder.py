@@ -27,6 +27,9 @@ FORMAT_VERSION = 1
 
 class Recorder:
     def __init__(self, engine: Any) -> None:
+        if not hasattr(engine, "scheduler"):  # m9's router: its steps are its workers'
+            raise ValueError("record_file records one engine's steps; a disaggregated engine's are its workers': pass "
+                             "record_file=None, or record without num_prefill_workers and num_decode_workers")
         self.engine = engine
         self.steps: list[dict] = []
         self.requests: dict[str, int] = {}  # request id -> its number in the file

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # milestones.kernels.QUANTIZATIONS, written out so that the command line loads without torch (a test checks them)
 QUANTIZATIONS = ("gguf", "int8")
+# milestones.m9.config.ROUTER_POLICIES, written out for the same reason (a test checks them too)
+ROUTER_POLICIES = ("cache_aware", "round_robin")
 
 
 def command_line() -> argparse.ArgumentParser:
@@ -62,6 +64,15 @@ def command_line() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="m8: split the model over N ranks, each a process holding a shard of every layer "
                              "(vLLM's flag); N must divide the model's attention heads and MLP width")
+    parser.add_argument("--num-prefill-workers", type=int, default=0, metavar="N",
+                        help="m9: compute prompts on N prefill workers, each a process (SGLang's "
+                             "--disaggregation-mode prefill); with --num-decode-workers, both at least 1")
+    parser.add_argument("--num-decode-workers", type=int, default=0, metavar="N",
+                        help="m9: decode on N decode workers, each a process that takes a prompt's keys and values "
+                             "from its prefill worker; 0 and 0: one engine")
+    parser.add_argument("--router-policy", choices=ROUTER_POLICIES, default=None,
+                        help="m9: which prefill worker a request goes to: where most of its prompt went before "
+                             "(cache_aware, the engine's default) or in turn (round_robin)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="keep the weights quantized: gguf, the bundled file's 4-bit blocks; int8, made at load "
                              "(CPU, float32)")
@@ -70,7 +81,10 @@ def command_line() -> argparse.ArgumentParser:
 
 # The options that are a later milestone's lesson: the first milestone that takes each, and what it teaches
 LATER_OPTIONS = {"speculative_config": ("m7", "speculative decoding"),
-                 "tensor_parallel_size": ("m8", "tensor parallelism")}
+                 "tensor_parallel_size": ("m8", "tensor parallelism"),
+                 "num_prefill_workers": ("m9", "prefill/decode disaggregation"),
+                 "num_decode_workers": ("m9", "prefill/decode disaggregation"),
+                 "router_policy": ("m9", "prefill/decode disaggregation")}
 
 
 def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
@@ -79,10 +93,18 @@ def engine_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     options = dict(_engine_option(text) for text in args.engine_option)
     if args.tensor_parallel_size < 1:
         parser.error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    for flag in ("num_prefill_workers", "num_decode_workers"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.speculative_config is not None:
         options["speculative_config"] = args.speculative_config
     if args.tensor_parallel_size > 1:  # 1 is every milestone's way: one process, the whole model
         options["tensor_parallel_size"] = args.tensor_parallel_size
+    for flag in ("num_prefill_workers", "num_decode_workers"):  # 0: every milestone's way, one engine
+        if getattr(args, flag):
+            options[flag] = getattr(args, flag)
+    if args.router_policy is not None:  # None: m9's own default (it routes only with workers)
+        options["router_policy"] = args.router_policy
     if args.quantization is not None:  # None: every milestone's way, the weights in the engine's dtype
         options["quantization"] = args.quantization
     for name, (first, lesson) in LATER_OPTIONS.items():
@@ -108,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = command_line()
     args = parser.parse_args(argv)
-    llm = load_llm(parser, args)  # m8 with --tensor-parallel-size N: rank 0 here, and N - 1 worker processes
+    llm = load_llm(parser, args)  # m8 with --tensor-parallel-size N: rank 0 here, and N - 1 worker processes;
+    # m9 with prefill and decode workers: the router here, and a process per worker
     name = args.served_model_name or _default_name(args.model)
     if args.api_key is None and not _is_loopback(args.host):
         logger.warning("serving on %s with no --api-key: anyone who reaches this address can use the model", args.host)

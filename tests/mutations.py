@@ -725,6 +725,42 @@ CATALOGUE = (
         "come from different blocks",
     ),
     Mutation(
+        "m9-block-sent-to-the-wrong-slot", "milestones/m9/disaggregation.py",
+        "        self.k_cache[:, :, table] = kv[0]\n        self.v_cache[:, :, table] = kv[1]\n",
+        "        self.k_cache[:, :, table[::-1]] = kv[0]\n        self.v_cache[:, :, table[::-1]] = kv[1]\n",
+        ("tests/m9/test_transfer.py::test_the_blocks_that_arrive_are_those_the_prefill_worker_computed",),
+        "the decode worker writes the arrived blocks into its reserved blocks last to first: the prompt's keys and "
+        "values are all there, each in another block than the one its tokens' positions read",
+    ),
+    Mutation(
+        "m9-reservation-never-released", "milestones/m9/scheduler.py",
+        "        elif self.reserved.pop(seq.request_id, None) is not None:  # m9: its KV never arrived\n"
+        "            self.block_manager.free(seq.request_id)\n",
+        "        elif self.reserved.pop(seq.request_id, None) is not None:  # m9: its KV never arrived\n"
+        "            pass\n",
+        ("tests/m9/test_transfer.py::test_a_request_aborted_on_either_side_gives_its_blocks_back",),
+        "a request aborted while its blocks are reserved on the decode side leaves the reservation, but the blocks "
+        "stay taken: the decode pool shrinks with every such abort",
+    ),
+    Mutation(
+        "m9-router-ignores-its-tree", "milestones/m9/router.py",
+        "            if matches[best] > CACHE_THRESHOLD * len(token_ids):\n",
+        "            if False:\n",
+        ("tests/m9/test_router.py::test_cache_aware_sends_a_prompt_where_its_prefix_went",),
+        "cache-aware routing never picks the worker that holds the prompt's prefix, only the smallest tree: a "
+        "shared system prompt is recomputed on every worker",
+    ),
+    Mutation(
+        "m9-decode-side-never-guesses", "milestones/m9/scheduler.py",
+        "        seq.spec.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0\n"
+        "        seq.num_computed_tokens = seq.num_processed_tokens",
+        "        seq.spec.num_lookahead = 0\n"
+        "        seq.num_computed_tokens = seq.num_processed_tokens",
+        ("tests/m9/test_vs_m8.py::test_guessing_on_the_decode_side_and_preempting_on_both",),
+        "a request that arrives on the decode worker starts with no lookahead, and a kept guess is what raises it: "
+        "the decode side never guesses (its tokens are still m8's, only slower)",
+    ),
+    Mutation(
         "q4_1-kernel-nibble-order", "milestones/kernels/quant_linear.cpp",
         "nibbles(q + j * PANEL, q0, q1);",
         "nibbles(q + j * PANEL, q1, q0);",

@@ -199,6 +199,8 @@ UNCHANGED_CLAIMS = {
     "m7": {"attention.py", "model.py", "radix_tree.py", "graph_runner.py", "worker.py"},
     "m8": {"attention.py", "scheduler.py", "block_manager.py", "radix_tree.py", "graph_runner.py", "worker.py",
            "sampler.py"},
+    "m9": {"model.py", "model_runner.py", "attention.py", "block_manager.py", "radix_tree.py", "sampler.py",
+           "worker.py"},
 }
 
 
@@ -208,26 +210,68 @@ def test_what_a_chapter_says_its_milestone_leaves_alone(chapter):
     assert not changed, f"docs/{chapter}.md says {chapter} does not change {sorted(changed)}, but it does"
 
 
-@pytest.mark.parametrize("chapter", MILESTONES[1:])
+# How a chapter says that its milestone's `__init__.py` changes nothing but its docstring (m2 to m6 in a parenthesis,
+# m7 and m8 as the body of the file's "What changed" section).
+ONLY_ITS_DOCSTRING = ("(`__init__.py` only changes its docstring.)", "### `__init__.py` Only its docstring.")
+
+
+def says_only_its_docstring(chapter: str) -> bool:
+    page = DOCS / f"{chapter}.md"
+    text = " ".join(page.read_text(encoding="utf-8").split()) if page.is_file() else ""
+    return any(words in text for words in ONLY_ITS_DOCSTRING)
+
+
+def init_code(milestone: str) -> str:
+    """The code of the milestone's ``__init__.py``, its docstring left out."""
+    tree = ast.parse((REPO_ROOT / "milestones" / milestone / "__init__.py").read_text(encoding="utf-8"))
+    if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant):
+        tree.body = tree.body[1:]
+    return ast.dump(tree)
+
+
+def previous(milestone: str) -> str:
+    return MILESTONES[MILESTONES.index(milestone) - 1]
+
+
+@pytest.mark.parametrize("chapter", [m for m in MILESTONES[1:] if says_only_its_docstring(m)])
 def test_init_changes_only_its_docstring(chapter):
-    """The chapters say "(`__init__.py` only changes its docstring.)"."""
-
-    def code(m: str) -> str:
-        tree = ast.parse((REPO_ROOT / "milestones" / m / "__init__.py").read_text(encoding="utf-8"))
-        if tree.body and isinstance(tree.body[0], ast.Expr) and isinstance(tree.body[0].value, ast.Constant):
-            tree.body = tree.body[1:]
-        return ast.dump(tree)
-
-    assert code(chapter) == code(MILESTONES[MILESTONES.index(chapter) - 1]), (
+    """A chapter that says "(`__init__.py` only changes its docstring.)" (or "Only its docstring.") is right."""
+    assert init_code(chapter) == init_code(previous(chapter)), (
         f"milestones/{chapter}/__init__.py changes more than its docstring: its chapter says otherwise")
 
 
+def bound_engine(milestone: str) -> str:
+    """What the milestone's ``LLM`` binds as its ``engine_class``, as the source writes it."""
+    tree = ast.parse((REPO_ROOT / "milestones" / milestone / "__init__.py").read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple | ast.Name):
+            names = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else [node.targets[0]]
+            values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            for name, value in zip(names, values):
+                if isinstance(name, ast.Name) and name.id == "engine_class":
+                    return ast.unparse(value)
+    raise LookupError(f"milestones/{milestone}/__init__.py binds no engine_class")
+
+
+@pytest.mark.parametrize("chapter", [m for m in MILESTONES[1:] if init_code(m) != init_code(previous(m))])
+def test_a_chapter_whose_init_changes_code_says_what_it_binds(chapter):
+    """m9's `__init__.py` binds another engine: its chapter does not say "only its docstring", and its `__init__.py`
+    section names what `LLM` binds now."""
+    text = (DOCS / f"{chapter}.md").read_text(encoding="utf-8")
+    assert not says_only_its_docstring(chapter), f"docs/{chapter}.md says __init__.py only changes its docstring"
+    section = re.search(r"(?ms)^### `__init__\.py`\n(.*?)(?=^#)", text)
+    assert section, f"docs/{chapter}.md has no '### `__init__.py`' section under 'What changed'"
+    binding = bound_engine(chapter)
+    assert f"`{binding}`" in section.group(1), (
+        f"docs/{chapter}.md's __init__.py section should say what LLM binds: `{binding}`")
+
+
 # The home page's and the testing page's "What the chain cannot see": the files that are the same code on both sides
-# of a comparison ("model.py in m1 to m7, the sampler up to m5 and in m8, attention.py in m4 and from m6 on, the
-# radix tree from m5 on").
+# of a comparison ("model.py in m1 to m7 and in m9, the sampler up to m5 and in m8 and m9, attention.py in m4 and
+# from m6 on, the radix tree from m5 on").
 CHAIN_BLIND_SPOTS = {
-    "model.py": up_to("m7"),
-    "sampler.py": [*up_to("m5"), "m8"],
+    "model.py": [*up_to("m7"), "m9"],
+    "sampler.py": [*up_to("m5"), "m8", "m9"],
     "attention.py": ["m4", *after("m6")],
     "radix_tree.py": after("m5"),
 }
@@ -235,10 +279,10 @@ CHAIN_BLIND_SPOTS = {
 
 # ... as the two pages word it: a change of wording there changes the table above with it.
 CHAIN_BLIND_SPOTS_SAID = {
-    "index.md": "(`model.py` in m1 to m7, the sampler up to m5 and in m8, `attention.py` in m4 and from m6 on, the "
-                "radix tree from m5 on)",
-    "testing.md": "`model.py` up to m7, the sampler up to m5 and in m8, `attention.py` in m4 and from m6 on, the "
-                  "radix tree from m5 on.",
+    "index.md": "(`model.py` in m1 to m7 and in m9, the sampler up to m5 and in m8 and m9, `attention.py` in m4 and "
+                "from m6 on, the radix tree from m5 on)",
+    "testing.md": "`model.py` up to m7 and in m9, the sampler up to m5 and in m8 and m9, `attention.py` in m4 and "
+                  "from m6 on, the radix tree from m5 on.",
 }
 
 
@@ -562,6 +606,8 @@ def chapter_word_range() -> tuple:
 C = config
 S = shapes
 PROCESSES = "milestones/runtime/processes.py"
+DISAGGREGATION = "milestones/m9/disaggregation.py"
+ROUTER = "milestones/m9/router.py"
 
 FIGURES = [
     # ---- README.md
@@ -771,6 +817,21 @@ FIGURES = [
     Figure("m8.md", r"gloo's all-reduce of a small tensor takes about\s+§ ms between § ranks",
            lambda: all_reduce_ms()),
     Figure("m8.md", r"SmolLM2 makes § of them a step", lambda: (str(2 * C()["num_hidden_layers"] + 1),)),
+    # ---- m9.md
+    Figure("m9.md", r"A prompt\s+of 2,000 tokens under the default budget of § tokens a step goes in over at least § "
+           r"steps", lambda: (str(default("m9", "max_num_batched_tokens")),
+                              EN_WORDS[-(-2000 // default("m9", "max_num_batched_tokens"))])),
+    Figure("m9.md", r"take § bytes a token slot in float32 \(m3's\s+arithmetic\), so a block of § tokens is § KiB",
+           lambda: (f"{kv_bytes_per_token():,}", str(default("m9", "block_size")),
+                    str(kv_bytes_per_token() * default("m9", "block_size") // 1024))),
+    Figure("m9.md", r"`TRANSFER_TIMEOUT` \(§ s\)", lambda: (f"{constant(DISAGGREGATION, 'TRANSFER_TIMEOUT'):.0f}",)),
+    Figure("m9.md", r"`IDLE_POLL` \(§ s\)", lambda: (str(constant(DISAGGREGATION, "IDLE_POLL")),)),
+    Figure("m9.md", r"`STEP_WAIT` \(§ s\)", lambda: (str(constant("milestones/m9/pd_engine.py", "STEP_WAIT")),)),
+    Figure("m9.md", r"`BALANCE_ABS_THRESHOLD` \(§\) requests apart and the largest more than\s+"
+           r"`BALANCE_REL_THRESHOLD` \(§\) times the smallest",
+           lambda: (str(constant(ROUTER, "BALANCE_ABS_THRESHOLD")), str(constant(ROUTER, "BALANCE_REL_THRESHOLD")))),
+    Figure("m9.md", r"`CACHE_THRESHOLD` \(§\) of the prompt", lambda: (str(constant(ROUTER, "CACHE_THRESHOLD")),)),
+    Figure("m9.md", r"`STOP_TIMEOUT` \(§ s\)", lambda: (f"{constant(PROCESSES, 'STOP_TIMEOUT'):.0f}",)),
     # ---- serve.md
     Figure("serve.md", r"`--max-requests` bounds the sequences in flight \(default §;",
            lambda: (f"{serve_default('max_requests'):.0f}",)),
@@ -806,6 +867,8 @@ FIGURES = [
     Figure("exercises.md", r"`rejection_sample` \(step 5\): § lines", lambda: (str(lines_in("m7")),)),
     Figure("exercises.md", r"\(step 5\): § lines, § of them in the one that says which rows",
            lambda: (str(lines_in("m8")), str(max(lesson_lines("m8").values())))),
+    Figure("exercises.md", r"\(step 5\): § lines,\s+§ of them in the router's choice",
+           lambda: (str(lines_in("m9")), str(lesson_lines("m9")["router.py:Router.prefill"]))),
     Figure("exercises.md", r"The\s+longest chapter \(about § words\)", lambda: (chapter_words("m7"),), about=0.05),
     Figure("exercises.md", r"from about § words for § to § for §",
            lambda: chapter_word_range(), about=0.05),

@@ -484,6 +484,31 @@ def test_m8_inference_under_torchrun(tiny_model_path):
     assert "rank 1: " in proc.stdout and summary_value(proc.stdout, "output tokens").startswith("12 ")
 
 
+def test_m9_inference_compare(tiny_model_path):
+    """A prefill worker and a decode worker, spawned by the script's LLM under its main guard: every prompt computed on
+    one, its keys and values sent to the other, every byte sent received; then m8 in one engine, whose tokens the
+    workers' must be. A prefill worker without a decode worker is refused before any process starts."""
+    out = run_script("examples/m9_inference.py", *tiny_args(tiny_model_path, "--max-tokens", "4", "--compare")).stdout
+    assert "=== m9, 1 prefill worker + 1 decode worker, router cache_aware ===" in out, out
+    assert "=== m8, one engine ===" in out and out.count("completion:") == 3  # m8's texts are compared, not printed
+    prompt_tokens = sum(int(n) for n in re.findall(r"^\[\d\] (\d+) prompt tokens, ", out, re.M))
+    prefill = re.search(r"^    prefill worker 0: (\d+) prompt tokens computed \((\d+) more found in its prefix "
+                        r"cache\); sent 3 transfers, ([\d.]+ KiB)$", out, re.M)
+    decode = re.search(r"^    decode worker 0:  0 prompt tokens computed; received 3 transfers, ([\d.]+ KiB): the keys "
+                       r"and values of (\d+) prompt tokens$", out, re.M)
+    assert prefill and decode, out
+    assert int(prefill[1]) + int(prefill[2]) == int(decode[2]) == prompt_tokens
+    assert prefill[3] == decode[1], "every byte sent arrived"
+    assert re.search(r"summed over the transfers: [\d.]+ ms per prompt token moved$", out, re.M), out
+    assert "outputs: identical, token for token, for all 3 requests" in out
+    refused = run_script("examples/m9_inference.py", *tiny_args(tiny_model_path, "--decode-workers", "0"),
+                         returncodes=(2,))
+    assert "a disaggregated engine needs at least one of each" in refused.stderr
+    from milestones.m9.config import ROUTER_POLICIES
+
+    assert import_example("m9_inference").ROUTER_POLICIES == ROUTER_POLICIES  # written out: --help needs no torch
+
+
 def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     # Eager steps: no compiling, so the test needs no C++ compiler and takes seconds.
     trace = tmp_path / "trace.json"
@@ -535,6 +560,7 @@ def test_m6_inference_compare_and_trace(tiny_model_path, tmp_path):
     ("m6_inference.py", ("--compare", "--no-async", "--trace", "--enforce-eager", "--cudagraph-capture-sizes")),
     ("m7_inference.py", ("--compare", "--num-speculative-tokens", "--prompt-lookup-min", "--prompt-lookup-max")),
     ("m8_inference.py", ("--compare", "--tensor-parallel-size", "--enforce-eager", "--max-num-seqs")),
+    ("m9_inference.py", ("--compare", "--prefill-workers", "--decode-workers", "--router-policy", "--enforce-eager")),
 ])
 def test_batched_demos_help(script, flags):
     proc = run_script(f"examples/{script}", "--help")
@@ -609,6 +635,42 @@ def test_m8_rows_run_in_ranks_and_skip_a_model_their_ranks_cannot_split(tiny_mod
     ranks = results[("decode", "m8@tp2")]
     assert ranks["engine_config"]["tensor_parallel_size"] == 2 and ranks["same_tokens_as_m8@eager"] == "1/1 requests"
     assert results[("decode", "m8@eager")]["engine_config"]["tensor_parallel_size"] == 1
+
+
+def test_m9_rows_are_refused_before_m9():
+    """m9@pd and m9@pd2x1 set m9's worker counts, and name no option a milestone before m9 has: refused as the row is
+    named, saying whose lesson it is."""
+    rows = import_bench("rows")
+    assert rows.MilestoneRow.parse("m9@pd", MILESTONES).engine_options == {"num_prefill_workers": 1,
+                                                                           "num_decode_workers": 1}
+    assert rows.MilestoneRow.parse("m9@eager+pd2x1", MILESTONES).engine_options == {
+        "enforce_eager": True, "num_prefill_workers": 2, "num_decode_workers": 1}
+    with pytest.raises(ValueError, match="sets one option twice"):
+        rows.MilestoneRow.parse("m9@pd+pd2x1", MILESTONES)
+    with pytest.raises(ValueError, match=r"'m8@pd': @pd needs m9 or later \(prefill/decode disaggregation is m9's "
+                                         r"lesson\); m8 has no such option"):
+        rows.MilestoneRow.parse("m8@pd", MILESTONES)
+    with pytest.raises(ValueError, match="needs m9 or later"):
+        rows.MilestoneRow.parse("m2@torch+pd2x1", MILESTONES)
+
+
+def test_m9_pd_row_gives_one_engines_tokens_and_skips_the_host_workload(tiny_model_path, tmp_path):
+    """m9@pd: the router in this process, a prefill and a decode worker; the decode row's tokens are one engine's, and
+    it reports what moved. The host workload, which times one engine's steps, is skipped for it, saying why."""
+    out = tmp_path / "b.json"
+    proc = run_script("examples/benchmark.py", "--model", str(tiny_model_path), "--device", "cpu", "--threads", "1",
+                      "--engines", "m9@eager,m9@pd+eager", "--workloads", "decode,host", "--runs", "1",
+                      "--decode-tokens", "6", "--host-batch-sizes", "1", "--host-steps", "3", "--out", str(out))
+    assert "- m9@pd+eager: host skipped (it times one engine's steps" in proc.stdout
+    results = {(r["workload"], r["engine"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {("decode", "m9@eager"), ("host-1", "m9@eager"), ("decode", "m9@pd+eager")}
+    assert all(r["status"] == "ok" for r in results.values()), [r["error"] for r in results.values()]
+    apart = results[("decode", "m9@pd+eager")]
+    config = apart["engine_config"]
+    assert (config["num_prefill_workers"], config["num_decode_workers"]) == (1, 1)
+    assert apart["same_tokens_as_m9@eager"] == "1/1 requests"
+    assert apart["kv_transfers"] == 1 and apart["kv_transfer_mb"] > 0  # the one timed run's prompt
+    assert "kv_transfers" not in results[("decode", "m9@eager")]
 
 
 def test_llama_cpp_rows_are_named_not_implied():

@@ -43,7 +43,7 @@ from tests.conftest import needs_compiler
 
 # m5's steps, and those of the milestones copied from it, capture with torch.compile on a CPU: without a compiler
 # they skip, and a skipped step proves nothing.
-NEEDS_COMPILER = {m: needs_compiler for m in ("m5", "m6", "m7", "m8")}
+NEEDS_COMPILER = {m: needs_compiler for m in ("m5", "m6", "m7", "m8", "m9")}
 ORDERED = sorted(LESSONS, key=lambda m: int(m.removeprefix("m")))
 WALKED = (ORDERED[0], ORDERED[-1])  # the first and the last path, walked to the end (why: the docstring)
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from milestones.serve import command_line, load_llm, main
+from milestones.serve import command_line, engine_options, load_llm, main
 from milestones.server.app import create_app
 from milestones.server.limits import Limits
 from milestones.server.listen import running
@@ -554,6 +554,54 @@ def test_m8_serves_in_two_ranks_the_tokens_of_one_and_its_shutdown_ends_the_work
     assert [worker.exitcode for worker in workers] == [0], "the worker was killed or failed rather than told to stop"
 
 
+def test_m9_serves_through_a_prefill_and_a_decode_worker_the_tokens_of_one_engine(tiny_model_path):
+    """--num-prefill-workers 1 --num-decode-workers 1: the router in this process, a worker process of each role; the
+    greedy answers are m8's, every prompt's keys and values went from one worker to the other, and the server's
+    shutdown ends both workers (cleanly, not killed)."""
+    from milestones import m8
+
+    with m8.LLM(tiny_model_path, **LIMITS, enforce_eager=True) as reference:
+        texts = [out.outputs[0].text for out in reference.generate(PROMPTS, greedy(m8), use_tqdm=False)]
+    parser = command_line()
+    args = parser.parse_args(["--milestone", "m9", "--model", str(tiny_model_path), "--num-prefill-workers", "1",
+                              "--num-decode-workers", "1", "--router-policy", "round_robin",
+                              "--engine-option=enforce_eager=true",
+                              *(f"--engine-option={name}={value}" for name, value in LIMITS.items())])
+    before = set(multiprocessing.active_children())
+    llm = load_llm(parser, args)
+    workers = [p for p in multiprocessing.active_children() if p not in before]
+    config = llm.engine.config
+    assert (config.num_prefill_workers, config.num_decode_workers, config.router_policy) == (1, 1, "round_robin")
+    assert len(workers) == 2, workers
+    with serving(llm) as (url, _):
+        body = {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert [c["text"] for c in answer["choices"]] == texts
+        streamed = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == texts[0]
+        stats = llm.engine.disaggregation_stats()
+        assert stats["prefill worker 0"]["transfers"] == stats["decode worker 0"]["transfers"] == len(PROMPTS) + 1
+        assert all(worker.is_alive() for worker in workers)
+    assert not [p for p in multiprocessing.active_children() if p not in before], "a worker outlived the server"
+    assert [worker.exitcode for worker in workers] == [0, 0], "a worker was killed or failed rather than told to stop"
+
+
+def test_disaggregation_flags_reach_the_engine_options():
+    """m9's three flags become its engine options; left out, they add none (every milestone's one engine). The router
+    policies are m9's (written out in milestones/serve.py, so that the command line loads without torch)."""
+    from milestones.m9.config import ROUTER_POLICIES
+
+    parser = command_line()
+    assert {action.dest: action.choices for action in parser._actions}["router_policy"] == ROUTER_POLICIES
+    args = parser.parse_args(["--milestone", "m9", "--num-prefill-workers", "2", "--num-decode-workers", "1",
+                              "--router-policy", "round_robin"])
+    assert engine_options(parser, args) == {"num_prefill_workers": 2, "num_decode_workers": 1,
+                                            "router_policy": "round_robin"}
+    assert engine_options(parser, parser.parse_args(["--milestone", "m9"])) == {}
+    assert engine_options(parser, parser.parse_args(["--milestone", "m8"])) == {}
+
+
 def test_quantization_reaches_the_engine_config(tiny_model_path):
     """--quantization int8 is the engine's quantization="int8" (the weights made int8 at load); its choices are the
     kernels' (written out in milestones/serve.py, so that the command line loads without torch)."""
@@ -576,6 +624,15 @@ def test_quantization_reaches_the_engine_config(tiny_model_path):
     (["--milestone", "m6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
      "--speculative-config needs --milestone m7 or later"),
     (["--milestone", "m8", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--milestone", "m8", "--num-prefill-workers", "1", "--num-decode-workers", "1"],
+     "--num-prefill-workers needs --milestone m9 or later (prefill/decode disaggregation is m9's lesson)"),
+    (["--milestone", "m8", "--num-decode-workers", "1"], "--num-decode-workers needs --milestone m9 or later"),
+    (["--milestone", "m7", "--router-policy", "round_robin"], "--router-policy needs --milestone m9 or later"),
+    (["--milestone", "m9", "--num-decode-workers", "-1"], "--num-decode-workers must be >= 0"),
+    (["--milestone", "m9", "--num-prefill-workers", "1", "--engine-option", "device=cpu"],
+     "a disaggregated engine needs at least one of each"),
+    (["--milestone", "m9", "--num-prefill-workers", "1", "--num-decode-workers", "1", "--tensor-parallel-size", "2",
+      "--engine-option", "device=cpu"], "m9's workers are one process each"),
     (["--milestone", "m8", "--tensor-parallel-size", "3", "--engine-option", "device=cpu"],
      "tensor_parallel_size 3 does not divide the model's 4 attention heads: use one of [1, 2, 4]"),
     (["--milestone", "m1", "--quantization", "gguf", "--engine-option", "device=cpu", "--engine-option",

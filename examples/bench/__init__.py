@@ -1,7 +1,7 @@
 """The benchmark behind examples/benchmark.py: the milestones against each other and against transformers.
 
-Everything runs in one process (but m8's @tp2 and @tp3 rows' other ranks, a
-worker process each), on the same seeded workloads, so the rows are comparable
+Everything runs in one process (but m8's @tp2 and @tp3 rows' other ranks, and
+m9's @pd and @pd2x1 rows' workers, a worker process each), on the same seeded workloads, so the rows are comparable
 (and share the machine's noise). docs/benchmarks.md explains the
 workloads, rows and metrics and shows the results. Read in this order:
 

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                f"'@', joined by '+': {', '.join(ROW_OPTIONS)} (e.g. m6@sync, m7@ngram, m7@draft, m2@torch+linear-torch;"
                " m8@tp2 and m8@tp3 run m8's tensor parallelism in 2 or 3 ranks, a process each, and skip, saying why, "
                "a workload whose model that many ranks cannot split: the bundled model's 9 heads take 3, not 2; "
+               "m9@pd runs m9's prefill/decode disaggregation, a prefill and a decode worker behind a router, "
+               "m9@pd2x1 two prefill workers and one decode worker (their host workload is skipped); "
                "m1@gguf runs the bundled file's Q4_1/Q8_0 blocks, m1@int8 per-channel int8 made at load: CPU, "
                "float32). "
                f"Rows for transformers: {', '.join(HF_ROWS)} "
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--engines", default="all",
                    help="comma-separated rows: milestone names (m1,m2,...), each with options after '@' if wanted "
                         "(m7@ngram, m8@tp3: see below), 'hf' or hf-generate/hf-static/hf-continuous; 'all' = every "
-                        "milestone (m8 in one rank) + hf")
+                        "milestone (m8 in one rank, m9 in one engine) + hf")
     g.add_argument("--workloads", default="decode,mixed", help=f"comma-separated, from: {', '.join(WORKLOADS)}")
     g.add_argument("--model", default=None, help="local folder or hub id; default: the bundled SmolLM2-135M-Instruct")
     g.add_argument("--device", default=None, help="cpu or cuda; default: cuda if available, else cpu")

@@ -13,6 +13,12 @@ m8's ``@tp2`` and ``@tp3`` rows run the model in that many ranks, this process a
 other rank. A workload whose model the ranks cannot split (its attention heads, KV heads or MLP width; on CUDA,
 a GPU per rank) is skipped with the reason printed: the bundled model's 9 heads take 3 ranks, not 2, and the
 host workload's tiny checkpoint (4 heads) 2, not 3.
+
+m9's ``@pd`` and ``@pd2x1`` rows run prefill/decode disaggregation: this process is the router, and each worker
+(one prefill and one decode worker; two prefill and one decode) a process with an engine of its own. The workers
+step on their own while the router waits for them, so a served workload's clock runs throughout and its KV peak
+is not sampled; the rows add the keys and values the decode workers received (``kv_transfers``...). The host
+workload, which times one engine's steps, is skipped for them.
 """
 
 from __future__ import annotations
@@ -127,7 +133,9 @@ def load_row(row: MilestoneRow, setup: Setup) -> list[Measurement]:
         load_s = time.perf_counter() - start
         extra = {"engine_kwargs": {k: v for k, v in kwargs.items() if k != "dtype"}, "load_s": load_s}
         if llm is not None:
-            extra |= {"engine_config": config_dict(llm.engine.config), **fast_paths(llm.engine.runner)}
+            extra["engine_config"] = config_dict(llm.engine.config)
+            if hasattr(llm.engine, "runner"):  # m9's router has none: each worker has its own
+                extra |= fast_paths(llm.engine.runner)
         runs = workload_runs(row, mod, llm, new_llm, setup, kwargs)
     except Exception as err:  # a milestone that does not load yet must not sink the other rows
         return [failed_measurement(w, row.name, "milestone", err) for w in args.workloads]
@@ -174,6 +182,9 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
             runs += [(f"batch-{size}", functools.partial(decode_row, row, mod, llm, setup,
                                                          setup.workloads.batch_prompts[:size], f"batch-{size}"))
                      for size in args.batch_sizes]
+        elif workload == "host" and is_disaggregated(row):
+            print(f"- {row.name}: host skipped (it times one engine's steps; the router's only relay its workers' "
+                  "messages)", flush=True)
         elif workload == "host" and (misfit := tensor_parallel_misfit(row, host_checkpoint(setup.model_path),
                                                                       setup.device)):
             print(f"- {row.name}: host skipped (on its tiny checkpoint, {misfit})", flush=True)
@@ -185,13 +196,48 @@ def workload_runs(row: MilestoneRow, mod: ModuleType, llm, new_llm: Callable[[],
     return runs
 
 
+def is_disaggregated(row: MilestoneRow) -> bool:
+    """m9@pd, m9@pd2x1: prefill and decode workers, each a process, behind a router in this one."""
+    return bool(row.engine_options.get("num_prefill_workers") or row.engine_options.get("num_decode_workers"))
+
+
+def transfer_counts(engine) -> dict[str, float] | None:
+    """m9 with workers: what its decode workers have received so far, added up; None for one engine."""
+    if not hasattr(engine, "disaggregation_stats"):
+        return None
+    decode = [s for name, s in engine.disaggregation_stats().items() if name.startswith("decode")]
+    return {key: sum(s[key] for s in decode)
+            for key in ("transfers", "transfer_bytes", "transfer_seconds", "transferred_prompt_tokens")}
+
+
+def transfer_fields(engine, before: dict[str, float] | None) -> dict:
+    """The row's fields for the transfers since ``before`` (none for one engine): how many, the megabytes moved, and
+    the milliseconds from a send to the blocks placed, per prompt token moved."""
+    if before is None:
+        return {}
+    moved = {key: value - before[key] for key, value in transfer_counts(engine).items()}
+    tokens = moved["transferred_prompt_tokens"]
+    return {"kv_transfers": moved["transfers"], "kv_transfer_mb": moved["transfer_bytes"] / MB,
+            "kv_transfer_ms_per_prompt_token": 1e3 * moved["transfer_seconds"] / tokens if tokens else None}
+
+
+def transfer_note(fields: dict, note: str | None = None) -> str | None:
+    """The table's note for a row with transfers (``transfer_fields``), before ``note`` if any."""
+    if not fields:
+        return note
+    said = f"{fields['kv_transfers']} KV transfers, {fields['kv_transfer_mb']:.2f} MB"
+    if fields["kv_transfer_ms_per_prompt_token"] is not None:
+        said += f", {fields['kv_transfer_ms_per_prompt_token']:.3f} ms/prompt token"
+    return said + (f"; {note}" if note else "")
+
+
 def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, prompts: list[list[int]],
                workload: str) -> dict:
     """Every prompt at once, --decode-tokens forced tokens each: one warm-up, then --runs timed runs."""
     args = setup.args
     params = mod.SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    graphs_before = graph_stats(llm)
+    graphs_before, transfers_before = graph_stats(llm), transfer_counts(llm.engine)
     runs = []
     for _ in range(args.runs):
         start = time.perf_counter()
@@ -203,8 +249,10 @@ def decode_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, prompts: l
                      "itl_s": mean([inter_token_latency(out.metrics.first_token_time, out.metrics.last_token_time,
                                                         len(out.outputs[0].token_ids)) for out in outs])})
     graphs = {"graph_stats": graph_stats(llm, since=graphs_before)} if graphs_before else {}
+    transfers = transfer_fields(llm.engine, transfers_before)  # m9's workers: the timed runs' transfers
     return new_row(workload, row.name, "milestone", num_requests=len(prompts), output_tokens=n,
-                   **median_of_runs(runs), runs=runs, batch_size=len(prompts), **graphs,
+                   **median_of_runs(runs), runs=runs, batch_size=len(prompts), **graphs, **transfers,
+                   note=transfer_note(transfers),
                    _tokens=[list(out.outputs[0].token_ids) for out in outs])
 
 
@@ -265,7 +313,8 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     warm_up = mod.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([requests[0].prompt_ids[:8]], warm_up, use_tqdm=False)
     peaks, finished, steps_before = KvPeaks(), {}, engine.num_steps
-    guesses_before, graphs_before = guess_counts(engine), graph_stats(llm)
+    guesses_before, graphs_before, transfers_before = guess_counts(engine), graph_stats(llm), transfer_counts(engine)
+    disaggregated = transfers_before is not None  # m9's workers step on their own, apart from this process
     wall = 0.0
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt_ids, mod.SamplingParams(temperature=r.temperature, seed=r.seed,
@@ -287,6 +336,8 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
                 seen[out.request_id] = (count + new, now)
             if out.finished:
                 finished[out.request_id] = out
+        if disaggregated:  # the workers compute meanwhile, so the clock runs on; asking each for its KV usage every
+            continue  # step would hold up their steps, so the peak is not sampled
         if getattr(engine, "pending", None):  # m6: a step computes meanwhile, so the clock runs on
             peaks.sample(engine)
             continue
@@ -294,6 +345,9 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
         peaks.sample(engine)  # with the clock stopped: reading the KV usage is the benchmark's work, not the engine's
         start = time.perf_counter()
     wall += time.perf_counter() - start
+    if disaggregated:  # the counters at the end, added up over the workers
+        peaks.last = engine.kv_usage()
+        peaks.reserved_bytes = peaks.last["reserved_bytes"]
     if tracer is not None:
         from milestones.trace import hidden_host_share
         overlap = {"hidden_host_share": hidden_host_share(tracer.events)}
@@ -314,14 +368,18 @@ def mixed_row(row: MilestoneRow, mod: ModuleType, llm, setup: Setup, workload: s
     ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics.time_to_first_token is not None]
     refusals = {k.removeprefix("refused_"): v for k, v in peaks.last.items() if k.startswith("refused_")}
     graphs = {"graph_stats": graph_stats(llm, since=graphs_before)} if graphs_before else {}  # m5 on: steps replayed
+    transfers = transfer_fields(engine, transfers_before)  # m9's workers: the keys and values moved
     return new_row(workload, row.name, "milestone", num_requests=len(outs), output_tokens=n_out, wall_s=wall,
                    prompt_tokens=prompt_tokens, prompt_tokens_computed=prompt_tokens - cached,
-                   max_running=peaks.most_running, num_preemptions=peaks.last.get("num_preemptions"),
+                   max_running=None if disaggregated else peaks.most_running,  # not sampled: unknown
+                   num_preemptions=peaks.last.get("num_preemptions"),
                    num_preempted_tokens=peaks.last.get("num_preempted_tokens"), refusals=refusals or None,
                    ttft_p50_s=percentile(ttfts, 50), ttft_p99_s=percentile(ttfts, 99),
                    itl_p50_s=percentile(gaps, 50), itl_p99_s=percentile(gaps, 99),
                    prefix_hit_rate=peaks.last.get("prefix_hit_rate"), output_tokens_per_s=n_out / wall,
                    ttft_mean_s=mean([o.metrics.time_to_first_token for o in outs]), itl_mean_s=mean(itls),
-                   kv_peak_mb=peaks.used_bytes / MB, kv_reserved_mb=peaks.reserved_bytes / MB,
-                   steps=engine.num_steps - steps_before, note=note, **overlap, **guesses, **graphs,
+                   kv_peak_mb=None if disaggregated else peaks.used_bytes / MB,
+                   kv_reserved_mb=peaks.reserved_bytes / MB,
+                   steps=engine.num_steps - steps_before, note=transfer_note(transfers, note), **overlap, **guesses,
+                   **graphs, **transfers,
                    _tokens=[list(o.outputs[0].token_ids) for o in outs])

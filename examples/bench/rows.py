@@ -19,7 +19,8 @@ ROW_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # hf-generate@bf16: a tran
 # only when named; 'llama.cpp' on the command line = all four (llama_cpp_rows.py says what each runs)
 LLAMA_CPP_ROWS = ("llama.cpp@f32", "llama.cpp@bf16", "llama.cpp@q4_1", "llama.cpp@q8_0")
 HF_CB_DEFAULTS = {"max_num_seqs": 16, "max_num_batched_tokens": 512}  # hf-continuous: the same budget as m2's defaults
-ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options (EngineConfig field, value)
+# mK@OPTION[+OPTION]: a milestone row with these engine options: (EngineConfig field, value), or {field: value, ...}
+ROW_OPTIONS = {
     "auto": ("attention_backend", "auto"),
     "torch": ("attention_backend", "torch"),
     "cpp": ("attention_backend", "cpp"),
@@ -44,6 +45,10 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     # split in 3, not 2: a row whose ranks do not divide its model's heads is skipped, saying why
     "tp2": ("tensor_parallel_size", 2),
     "tp3": ("tensor_parallel_size", 3),
+    # m9: prefill/decode disaggregation, each worker a process (m9 alone is one engine, m8's): a prefill worker and a
+    # decode worker; or two prefill workers, between which the router chooses (cache-aware), and one decode worker
+    "pd": {"num_prefill_workers": 1, "num_decode_workers": 1},
+    "pd2x1": {"num_prefill_workers": 2, "num_decode_workers": 1},
     "bf16": ("dtype", "bfloat16"),  # this row in bfloat16, whatever --dtype says for the others
     "fp32": ("dtype", "float32"),
     "gguf": ("quantization", "gguf"),  # the bundled file's own Q4_1/Q8_0 blocks, kept (CPU, float32)
@@ -54,6 +59,15 @@ ROW_OPTIONS = {  # mK@OPTION[+OPTION]: a milestone row with these engine options
     "record": ("record_file", os.devnull),
 }
 FRONT_END_OPTIONS = {"record_file"}  # options of the LLM front end (milestones/serving/llm.py), not of EngineConfig
+# The options a milestone before their lesson's cannot take, refused as the row is named: option -> (the first
+# milestone that takes it, its lesson)
+LATER_ROW_OPTIONS = {"pd": ("m9", "prefill/decode disaggregation"), "pd2x1": ("m9", "prefill/decode disaggregation")}
+
+
+def option_fields(option: str) -> dict[str, object]:
+    """The EngineConfig fields a row option sets, and their values."""
+    value = ROW_OPTIONS[option]
+    return dict(value) if isinstance(value, dict) else dict([value])
 
 
 @dataclass(slots=True)
@@ -102,7 +116,7 @@ class MilestoneRow:
 
     name: str  # the label in the table and the JSON
     milestone: str  # the package under milestones/, e.g. "m2"
-    engine_options: dict[str, str | bool]  # EngineConfig field -> value, from the options after '@'
+    engine_options: dict[str, object]  # EngineConfig field -> value, from the options after '@'
 
     @classmethod
     def parse(cls, name: str, milestones: Sequence[str]) -> MilestoneRow:
@@ -114,11 +128,16 @@ class MilestoneRow:
                              f"'llama.cpp' or {', '.join(LLAMA_CPP_ROWS)}; a milestone may take options after '@', "
                              f"joined by '+' ({', '.join(ROW_OPTIONS)}), e.g. m2@torch+linear-torch; a transformers "
                              "row a dtype, e.g. hf-generate@bf16")
-        fields = [ROW_OPTIONS[option][0] for option in chosen]
+        for option in chosen:
+            first, lesson = LATER_ROW_OPTIONS.get(option, (milestone, None))
+            if int(milestone[1:]) < int(first[1:]):
+                raise ValueError(f"engine {name!r}: @{option} needs {first} or later ({lesson} is {first}'s "
+                                 f"lesson); {milestone} has no such option")
+        fields = [field for option in chosen for field in option_fields(option)]
         if len(set(fields)) < len(fields):
             raise ValueError(f"engine {name!r} sets one option twice; name at most one value each for "
                              f"{', '.join(sorted(set(fields)))}")
-        return cls(name, milestone, dict(ROW_OPTIONS[option] for option in chosen))
+        return cls(name, milestone, {f: v for option in chosen for f, v in option_fields(option).items()})
 
 
 def is_hf_row(name: str) -> bool:

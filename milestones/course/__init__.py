@@ -15,7 +15,7 @@ named after the milestone, imported below with its line in ``LESSONS``.
 
 from __future__ import annotations
 
-from milestones.course import m1, m2, m3, m4, m5, m6, m7, m8
+from milestones.course import m1, m2, m3, m4, m5, m6, m7, m8, m9
 from milestones.course.steps import Exercise, Step, contract
 
 __all__ = ["LESSONS", "Exercise", "Step", "contract"]
@@ -29,4 +29,5 @@ LESSONS: dict[str, tuple[Step, ...]] = {
     "m6": m6.STEPS,
     "m7": m7.STEPS,
     "m8": m8.STEPS,
+    "m9": m9.STEPS,
 }

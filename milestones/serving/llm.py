@@ -47,7 +47,11 @@ class LLM:
         self.engine: Any = self.engine_class(self.config_class(model=model, device=device, dtype=dtype, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self.record_file = record_file
-        self.recorder = Recorder(self.engine) if record_file is not None else None
+        try:
+            self.recorder = Recorder(self.engine) if record_file is not None else None
+        except ValueError:
+            self.engine.close()  # its workers, if it has any
+            raise
 
     def close(self) -> None:
         """Release what the engine holds (from m6 on: its forward worker, and the trace if one was asked for), and
