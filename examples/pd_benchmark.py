@@ -26,6 +26,14 @@ import torch
 from milestones import m8, m9
 
 
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -83,20 +91,26 @@ def interference_row(llm, args, rng: random.Random) -> dict:
 def interference(args) -> dict:
     limits = dict(model=args.model, device="cpu", max_model_len=2048, max_num_seqs=args.decoders + 4,
                   enforce_eager=True)
-    rows: dict[str, list[dict]] = {"m8": [], "m9@pd": []}
+    # m8 with vLLM's default token budget, and with a smaller one: chunked prefill bounds the wait, at a cost in TTFT
+    rows: dict[str, list[dict]] = {"m8": [], f"m8@budget{args.small_budget}": [], "m9@pd": []}
     for round_ in range(args.rounds):
         for name in rows:
             rng = random.Random(round_)
             if name == "m8":
                 llm = m8.LLM(**limits)
+            elif name.startswith("m8@"):
+                llm = m8.LLM(**limits, max_num_batched_tokens=args.small_budget)
             else:
                 llm = m9.LLM(**limits, num_prefill_workers=1, num_decode_workers=1)
             with llm:
-                interference_row(llm, args, random.Random(99))  # warm-up: one-time costs out of the figures
+                for warmup in range(args.warmups):  # one-time costs out of the figures: the CPU kernels compile
+                    interference_row(llm, args, random.Random(99 + warmup))  # per shape the first time they meet it
                 rows[name].append(interference_row(llm, args, rng))
             print(name, round_, json.dumps({k: round(v, 4) for k, v in rows[name][-1].items()}), flush=True)
     medians = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in rows.items()}
-    medians["p99_ratio_m9_to_m8"] = medians["m9@pd"]["itl_p99_ms"] / medians["m8"]["itl_p99_ms"]
+    for name in rows:
+        if name.startswith("m8"):
+            medians[f"p99_ratio_m9_to_{name}"] = medians["m9@pd"]["itl_p99_ms"] / medians[name]["itl_p99_ms"]
     return {"workload": {k: getattr(args, k) for k in ("decoders", "decode_tokens", "long_prompts", "long_len",
                                                         "long_output", "arrival_s", "warmup_s")},
             "rounds": rows, "medians": medians}
@@ -135,8 +149,10 @@ def main() -> None:
     parser.add_argument("--part", choices=["interference", "routing", "both"], default="both")
     parser.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmups", type=int, default=2, help="unmeasured runs of the workload before each row's")
     parser.add_argument("--decoders", type=int, default=4)
-    parser.add_argument("--decode-tokens", type=int, default=160)
+    parser.add_argument("--decode-tokens", type=int, default=400)
+    parser.add_argument("--small-budget", type=int, default=128, help="m8's second row: max_num_batched_tokens")
     parser.add_argument("--long-prompts", type=int, default=4)
     parser.add_argument("--long-len", type=int, default=1024)
     parser.add_argument("--long-output", type=int, default=4)
@@ -148,7 +164,7 @@ def main() -> None:
     parser.add_argument("--blocks-per-worker", type=int, default=64)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": torch.get_num_threads(),
+    result = {"machine": {"cpu": cpu_name(), "cpu_count": torch.get_num_threads(),
                           "torch": torch.__version__}}
     if args.part in ("interference", "both"):
         result["interference"] = interference(args)

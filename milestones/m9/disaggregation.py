@@ -24,6 +24,7 @@ over the worker's pipe; only keys and values travel over torch.distributed.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -444,6 +445,9 @@ def load_worker(rank: int, world_size: int, port: int, config: object, pipe: Con
     from .engine import LLMEngine  # the engine imports this module
 
     torch.set_num_threads(threads)
+    cores = sorted(os.sched_getaffinity(0))
+    if config.device.type == "cpu" and world_size * threads <= len(cores):  # each worker on cores of its own
+        os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
     engine = LLMEngine(config)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=START_TIMEOUT))
     group = dist.ProcessGroupGloo(dist.PrefixStore("kv", store), rank, world_size, timedelta(days=365))
