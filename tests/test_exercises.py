@@ -25,7 +25,7 @@ from milestones import CHANGED_FILES, MILESTONES
 from milestones.course import LESSONS, Exercise, Step
 from milestones.exercise import PACKAGE_ROOT, REPO_ROOT
 from milestones.exercise.cli import main, step_range
-from milestones.exercise.failures import owner, stub_in_output
+from milestones.exercise.failures import failure_report, owner, stub_in_output
 from milestones.exercise.skeleton import header, start
 from milestones.exercise.stubs import functions, reference_path, section_lines, stub, wrap
 from tests.conftest import needs_compiler
@@ -251,6 +251,20 @@ def test_a_stub_that_raised_in_another_process_owns_the_failure():
     assert stub_in_output(output, lesson) == (2, "Runner.execute_shard")
     assert stub_in_output(output.replace("Runner.execute_shard", "Other.method"), lesson) is None
     assert stub_in_output(output.splitlines()[0], lesson) is None
+
+
+
+def test_the_report_keeps_a_workers_stub_that_its_cut_would_lose():
+    """m9's workers print their start-up progress and then a stub's traceback into the captured stderr: the report
+    drops the progress bars and, past its cut, still shows which stub raised."""
+    bar = "Capturing the decode step:  50%|#####     | 1/2 [00:03<00:03,  3.29s/batch size]"
+    stub = "NotImplementedError: PrefillSide.hand_off is yours to write"
+    output = "\n".join(["collected 1 item", "=" * 10 + " FAILURES " + "=" * 10, *[bar] * 40,
+                         *[f"frame {i}" for i in range(70)], stub, "tail 1", "tail 2", "1 failed in 9.0s"])
+    report = failure_report(output).splitlines()
+    assert bar not in report and len(report) == 65
+    assert report[-5:] == ["...", stub, "tail 1", "tail 2", "1 failed in 9.0s"]
+    assert failure_report("=== FAILURES ===\nshort") == "=== FAILURES ===\nshort", "a short report is kept whole"
 
 
 def test_step_ranges_name_steps_from_one_inclusive():

@@ -49,9 +49,17 @@ def stub_in_output(output: str, lesson: tuple[Step, ...]) -> tuple[int, str] | N
     return None
 
 
+PROGRESS_BAR = re.compile(r"\d+%\|.*\| *\d+/\d+ \[")  # tqdm's lines: a worker's start-up, in its captured stderr
+
+
 def failure_report(output: str, max_lines: int = 60) -> str:
-    """pytest's report from its first failure (or collection error) on, cut to ``max_lines`` lines."""
-    lines = output.rstrip().splitlines()
+    """pytest's report from its first failure (or collection error) on, without progress bars, cut to ``max_lines``
+    lines; a stub's NotImplementedError that the cut would lose (another process's traceback, m8's ranks or m9's
+    workers) is kept after the cut."""
+    lines = [line for line in output.rstrip().splitlines() if not PROGRESS_BAR.search(line)]
     first = next((i for i, line in enumerate(lines) if re.match(r"=+ (FAILURES|ERRORS) =+$", line)), 0)
-    shown = lines[first : first + max_lines]
-    return "\n".join(shown + (["...", *lines[-3:]] if len(lines) > first + max_lines else []))
+    shown, rest = lines[first : first + max_lines], lines[first + max_lines :]
+    if not rest:
+        return "\n".join(shown)
+    stubs = [line for line in rest[:-3] if "is yours to write" in line][:1]
+    return "\n".join([*shown, "...", *stubs, *lines[-3:]])
