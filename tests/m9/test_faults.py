@@ -29,7 +29,7 @@ def decode_worker_of(llm, request_id: str) -> int:
 
 
 def test_a_dead_decode_worker_fails_its_requests_and_the_other_serves(tiny_model_path):
-    with m9.LLM(tiny_model_path, **LIMITS, num_prefill_workers=1, num_decode_workers=2) as llm:
+    with m9.LLM(tiny_model_path, **LIMITS, num_prefill_workers=1, num_decode_workers=2, enforce_eager=True) as llm:
         engine = llm.engine
         first, second = (engine.add_request([5 + i, 6, 7, 8], PARAMS) for i in range(2))
         assert {decode_worker_of(llm, first), decode_worker_of(llm, second)} == {0, 1}, "one on each"
@@ -67,7 +67,8 @@ SCRIPT = """
 import sys, time
 from milestones import m9
 if __name__ == "__main__":
-    llm = m9.LLM(sys.argv[1], device="cpu", max_model_len=128, num_prefill_workers=1, num_decode_workers=1)
+    llm = m9.LLM(sys.argv[1], device="cpu", max_model_len=128, num_prefill_workers=1, num_decode_workers=1,
+                 enforce_eager=True)
     print(*[p.pid for p in llm.engine.workers.processes], flush=True)
     time.sleep(600)
 """

@@ -17,7 +17,7 @@ PREFILL, DECODE = 0, 1  # the workers' numbers: prefill workers first
 def llm(tiny_model_path):
     # chunks of 8 tokens: a 200-token prompt takes 25 steps to prefill, long enough to be seen prefilling
     with m9.LLM(tiny_model_path, **(LIMITS | dict(max_num_batched_tokens=8)), **PD, num_kv_blocks=80,
-                block_size=4) as llm:
+                block_size=4, enforce_eager=True) as llm:
         yield llm
 
 

@@ -36,7 +36,8 @@ def test_without_workers_m9_is_m8(tiny_model_path, workload, reference):
 
 
 def test_a_prefill_and_a_decode_worker_give_m8s_tokens(tiny_model_path, workload, reference):
-    """One worker of each role: every prompt computed on one, decoded on the other, every output m8's."""
+    """One worker of each role: every prompt computed on one, decoded on the other (its decode steps replayed, m5),
+    every output m8's. (The other tests with workers run them eagerly: a worker's capture is m8's, tested there.)"""
     with m9.LLM(tiny_model_path, **LIMITS, **PD) as llm:
         assert isinstance(llm.engine, DisaggregatedEngine)
         assert_same_outputs(run_disaggregated(llm, *workload), reference, workload[1])
@@ -52,7 +53,7 @@ def test_a_prefill_and_a_decode_worker_give_m8s_tokens(tiny_model_path, workload
 def test_guessing_on_the_decode_side_and_preempting_on_both(tiny_model_path, workload, reference):
     """Prompt lookup on the decode worker (m7), and pools so small that both workers preempt: a prefill worker
     recomputes a prompt, a decode worker recomputes a request itself (its KV is gone, so it prefills it)."""
-    options = dict(LIMITS, **PD, num_kv_blocks=24, block_size=4, async_scheduling=False,
+    options = dict(LIMITS, **PD, num_kv_blocks=24, block_size=4, async_scheduling=False, enforce_eager=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     with m9.LLM(tiny_model_path, **options) as llm:
         assert_same_outputs(run_disaggregated(llm, *workload), reference, workload[1])
@@ -68,7 +69,7 @@ def test_guessing_on_the_decode_side_and_preempting_on_both(tiny_model_path, wor
 
 def test_two_prefill_and_two_decode_workers_give_m8s_tokens(tiny_model_path, workload, reference):
     """Four workers, the router's cache-aware choice among two of each role."""
-    with m9.LLM(tiny_model_path, **LIMITS, num_prefill_workers=2, num_decode_workers=2) as llm:
+    with m9.LLM(tiny_model_path, **LIMITS, num_prefill_workers=2, num_decode_workers=2, enforce_eager=True) as llm:
         assert_same_outputs(run_disaggregated(llm, *workload, check_every=5), reference, workload[1])
         stats = llm.engine.disaggregation_stats()
         assert all(s["transfers"] > 0 for s in stats.values()), stats
