@@ -18,6 +18,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -164,8 +165,11 @@ def main() -> None:
     parser.add_argument("--blocks-per-worker", type=int, default=64)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    result = {"machine": {"cpu": cpu_name(), "cpu_count": torch.get_num_threads(),
-                          "torch": torch.__version__}}
+    result = {"command": "python examples/pd_benchmark.py " + " ".join(sys.argv[1:]),
+              "created": time.strftime("%Y-%m-%d"),
+              "machine": {"cpu": cpu_name(), "cpu_count": torch.get_num_threads(), "torch": torch.__version__,
+                          "torch_threads": "1 a worker, all for m8"},
+              "config": {"model": args.model or "SmolLM2-135M-Instruct (bundled)", "dtype": "float32"}}
     if args.part in ("interference", "both"):
         result["interference"] = interference(args)
         print(json.dumps(result["interference"]["medians"], indent=1))

@@ -27,6 +27,10 @@ CLAIMS = [(kind, claim) for kind, claims in results.TABLES.items() for claim in 
 
 def row_value(claim, engine: str, workload: str) -> float:
     run = json.loads((REPO_ROOT / results.RUNS / claim.run).read_text())
+    if "interference" in run:  # pd_benchmark.py: each part's medians
+        if workload == "interference":
+            return run["interference"]["medians"][engine][claim.metric]
+        return run["routing"][engine.removeprefix("m9@")]["computed_prompt_tokens"]
     rows = run["results"]
     if isinstance(rows, dict):  # tensor_parallel_costs.py: rank count -> figures
         return rows[engine.removeprefix("m8@tp")]["tokens_per_s"]
@@ -43,7 +47,7 @@ def test_each_cell_is_the_ratio_of_its_two_rows(kind, claim, language):
     table = results.results_table(REPO_ROOT, (claim,), language)
     line = table.splitlines()[2]  # the header, its rule, then the claim's line
     cells = [cell.strip() for cell in line.strip("|").split("|")]
-    unit = {"output_tokens_per_s": " tok/s", "host_step_ms": " ms"}.get(claim.metric, "")
+    unit = {"output_tokens_per_s": " tok/s", "host_step_ms": " ms", "itl_p99_ms": " ms"}.get(claim.metric, "")
     words = {"en": ("against", claim.idea[0]), "zh": ("对比", claim.idea[1])}[language]
     shown = (f"`{claim.row}` {results.figure(row, claim.metric)} {words[0]} `{claim.baseline}` "
              f"{results.figure(baseline, claim.metric)}")

@@ -89,6 +89,13 @@ CPU = (
     Claim("m8", ("3 ranks against 1: a third of the weights a rank, paid for in all-reduces over gloo",
                  "3 个 rank 对比 1 个：每个 rank 只存三分之一的权重，代价是 gloo 上的 all-reduce"),
           "tp-costs-smollm2.json", "decode", "m8@tp3", "m8@tp1"),
+    Claim("m9", ("disaggregation: decoding requests' p99 inter-token latency while long prompts arrive (lower is "
+                 "better)", "PD 分离：长提示词陆续到达时，解码请求的 p99 token 间延迟（越低越好）"),
+          "m9-pd.json", "interference", "m9@pd", "m8", metric="itl_p99_ms", lower_is_better=True),
+    Claim("m9", ("cache-aware routing: prompt tokens two prefill workers compute, against round robin",
+                 "缓存感知路由：两个预填充 worker 实际计算的提示词 token 数，对比轮询"),
+          "m9-pd.json", "routing", "m9@cache_aware", "m9@round_robin", metric="prompt_tokens_computed",
+          lower_is_better=True),
 )
 
 GPU = (
@@ -122,6 +129,8 @@ GPU = (
           "gpu/bench-speculative.json", "open", "m7@ngram", "m6"),
     Missing("m8", ("tensor parallelism over NCCL", "基于 NCCL 的张量并行"),
             ("not measured: the loans so far had one GPU", "尚未测量：目前借到的机器只有一块 GPU")),
+    Missing("m9", ("prefill/decode disaggregation on GPUs", "GPU 上的 PD 分离"),
+            ("not measured on a GPU yet", "尚未在 GPU 上测量")),
 )
 
 TABLES = {"cpu": CPU, "gpu": GPU}
@@ -133,7 +142,8 @@ WORDS = {
            "vs": "对比", "runs": "表中数字来自以下运行：", "machine": "机器：{}", "threads": "torch 线程数",
            "cpus": "{} 个 CPU", "model": "模型：{}", "unmeasured": "未测量", "and": "，", "colon": "："},
 }
-UNITS = {"output_tokens_per_s": "tok/s", "max_running": "", "prompt_tokens_computed": "", "host_step_ms": "ms"}
+UNITS = {"output_tokens_per_s": "tok/s", "max_running": "", "prompt_tokens_computed": "", "host_step_ms": "ms",
+         "itl_p99_ms": "ms"}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
@@ -150,7 +160,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
 
 
 def load_run(root: Path, name: str) -> dict:
-    """A benchmark JSON, with the tensor-parallel costs file's rank counts turned into rows m8@tp1, m8@tp3."""
+    """A benchmark JSON, with the tensor-parallel costs file's rank counts turned into rows m8@tp1, m8@tp3, and the
+    disaggregation benchmark's medians into rows of workloads "interference" and "routing"."""
     path = root / RUNS / name
     if not path.is_file():
         raise PluginError(f"results: {RUNS}/{name} does not exist")
@@ -158,6 +169,13 @@ def load_run(root: Path, name: str) -> dict:
     if isinstance(run.get("results"), dict):  # examples/tensor_parallel_costs.py's format: rank count -> figures
         run["results"] = [{"workload": "decode", "engine": f"m8@tp{n}", "output_tokens_per_s": r.get("tokens_per_s")}
                           for n, r in run["results"].items()]
+    if "interference" in run:  # examples/pd_benchmark.py's format: each part's medians, by row
+        medians = run["interference"]["medians"]
+        run["results"] = [{"workload": "interference", "engine": name, **figures}
+                          for name, figures in medians.items() if isinstance(figures, dict)]
+        run["results"] += [{"workload": "routing", "engine": f"m9@{policy}",
+                            "prompt_tokens_computed": run["routing"][policy]["computed_prompt_tokens"]}
+                           for policy in ("round_robin", "cache_aware")]
     return run
 
 
