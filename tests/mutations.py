@@ -752,7 +752,7 @@ CATALOGUE = (
     ),
     Mutation(
         "m9-decode-side-never-guesses", "milestones/m9/scheduler.py",
-        "        seq.spec.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0\n"
+        "        self._start_guessing(seq)\n"
         "        seq.num_computed_tokens = seq.num_processed_tokens",
         "        seq.spec.num_lookahead = 0\n"
         "        seq.num_computed_tokens = seq.num_processed_tokens",

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from milestones.runtime.processes import START_TIMEOUT
-from milestones.serving.outputs import Logprob, RequestOutput
+from milestones.serving.outputs import Logprob, RequestMetrics, RequestOutput
 from milestones.serving.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # only for type hints
@@ -83,7 +83,8 @@ class Prefilled:
     output_logprobs: list[dict[int, Logprob]]
     prompt_logprobs: list[dict[int, Logprob] | None]
     num_cached_tokens: int  # prompt tokens the prefill worker found in its prefix cache
-    sent_time: float  # when the prefill worker started the send (time.perf_counter: one clock on a machine)
+    metrics: RequestMetrics  # when it was scheduled and its first token sampled (perf_counter: one clock a machine)
+    sent_time: float  # when the prefill worker started the send
 
 
 @dataclass(slots=True, frozen=True)
@@ -236,7 +237,8 @@ class PrefillSide:
         self.num_transfers += 1
         self.engine.scheduler.finish(seq)  # its full blocks stay in the prefix cache, the rest are free at once
         self.notices.append(Prefilled(seq.request_id, seq.token_ids[-1], list(seq.output_logprobs),
-                                      list(seq.prompt_logprobs), seq.num_cached_tokens, time.perf_counter()))
+                                      list(seq.prompt_logprobs), seq.num_cached_tokens, seq.metrics,
+                                      time.perf_counter()))
 
     def abort(self, request_id: str) -> None:
         self.bootstrap.pop(request_id, None)
@@ -253,6 +255,9 @@ class PrefillSide:
 
     def queues(self) -> dict[str, list[str]]:
         return {"bootstrap": list(self.bootstrap), "prefilling": list(self.bound), "inflight": len(self.inflight)}
+
+    def stats(self) -> dict[str, object]:
+        return {"transfers": self.num_transfers, "transfer_bytes": self.transfer.num_bytes, "queues": self.queues()}
 # --8<-- [end:prefill_side]
 
 
@@ -333,7 +338,7 @@ class DecodeSide:
         self.num_prompt_tokens += seq.num_prompt_tokens
         self.transfer_seconds += time.perf_counter() - message.sent_time
         seq.num_cached_tokens = message.num_cached_tokens
-        self.engine.arrive(seq, message.token, message.output_logprobs, message.prompt_logprobs)
+        self.engine.arrive(seq, message.token, message.output_logprobs, message.prompt_logprobs, message.metrics)
 
     def busy(self) -> bool:
         return any(b.received is not None for b in self.transfers.values()) or bool(self.drains or self.prealloc)
@@ -341,15 +346,18 @@ class DecodeSide:
     def queues(self) -> dict[str, list[str]]:
         return {"prealloc": [b.seq.request_id for b in self.prealloc], "transfer": list(self.transfers),
                 "decoding": [seq.request_id for seq in self.engine.scheduler.running]}
+
+    def stats(self) -> dict[str, object]:
+        return {"transfers": self.num_transfers, "transfer_bytes": self.transfer.num_bytes,
+                "transfer_seconds": self.transfer_seconds, "transferred_prompt_tokens": self.num_prompt_tokens,
+                "queues": self.queues()}
 # --8<-- [end:decode_side]
 
 
 def new_sequence(engine: LLMEngine, request: NewRequest) -> Sequence:
-    """The worker's own record of a request the router checked, with the router's seed and arrival time."""
-    seq = engine.sequence_for(request.request_id, request.prompt, request.prompt_token_ids, request.params)
-    seq.seed = request.seed
-    seq.metrics.arrival_time = request.arrival_time
-    return seq
+    """The worker's own record of a request the router checked."""
+    return engine.sequence_for(request.request_id, request.prompt, request.prompt_token_ids, request.params,
+                               request.seed, request.arrival_time)
 
 
 # --8<-- [start:worker_loop]
@@ -413,10 +421,11 @@ class WorkerLoop:
         if query.what == "stats":
             scheduler = engine.scheduler
             return {"prompt_tokens": scheduler.num_prompt_tokens, "cached_tokens": scheduler.num_cached_tokens,
-                    "transfers": self.side.num_transfers, "transfer_bytes": self.side.transfer.num_bytes,
-                    "transfer_seconds": getattr(self.side, "transfer_seconds", 0.0),
-                    "transferred_prompt_tokens": getattr(self.side, "num_prompt_tokens", 0),
-                    "queues": self.side.queues()}
+                    **self.side.stats()}
+        if query.what == "spec_stats":  # the counters, added up by the router
+            speculator = engine.speculator
+            return {"num_draft_tokens": speculator.num_draft_tokens,
+                    "num_accepted_tokens": speculator.num_accepted_tokens, "num_guessing": speculator.num_guessing}
         if query.what == "prompt_kv":  # tests: a running request's prompt (by id) or a cached prompt (by tokens)
             return prompt_kv(engine, query.arg)
         raise ValueError(f"unknown query {query.what!r}")

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from milestones import options
 from milestones.model_store import resolve_model
-from milestones.serving.outputs import RequestOutput, keep_logprobs, keep_prompt_logprobs
+from milestones.serving.outputs import RequestMetrics, RequestOutput, keep_logprobs, keep_prompt_logprobs
 from milestones.serving.parallel_sampling import ParentRequest, ParentRequests
 from milestones.serving.prompts import Prompt, check_length, eos_token_ids, tokenize_prompt
 from milestones.serving.reports import graph_stats, kv_usage
@@ -116,16 +116,23 @@ class LLMEngine:
         return request_id
     # --8<-- [end:add_request]
 
-    def sequence_for(self, request_id: str, prompt: str | None, token_ids: list[int],
-                     params: SamplingParams) -> Sequence:
-        """m9: a worker's record of a request the router has checked (and seeded: it sets ``seed`` after)."""
-        return self._sequence(request_id, prompt, token_ids, params)
+    def sequence_for(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
+                     seed: int, arrival_time: float) -> Sequence:
+        """m9: a worker's record of a request the router has checked, with the router's seed (drawn in m8's order)
+        and arrival time."""
+        seq = self._sequence(request_id, prompt, token_ids, params)
+        seq.seed, seq.metrics.arrival_time = seed, arrival_time
+        return seq
 
     # --8<-- [start:arrive]
-    def arrive(self, seq: Sequence, token: int, output_logprobs: list, prompt_logprobs: list) -> None:
+    def arrive(self, seq: Sequence, token: int, output_logprobs: list, prompt_logprobs: list,
+               prefilled: RequestMetrics) -> None:
         """m9, a decode worker: the prompt's keys and values are in the request's blocks, and its first token is the
-        prefill worker's: take the token as if this engine had sampled it, then decode from there."""
+        prefill worker's (with when it was scheduled and sampled there): take the token as if this engine had sampled
+        it, then decode from there."""
         seq.output_logprobs, seq.prompt_logprobs = output_logprobs, prompt_logprobs
+        seq.metrics.first_scheduled_time = prefilled.first_scheduled_time
+        seq.metrics.first_token_time = prefilled.first_token_time
         seq.token_ids.append(token)
         seq.num_pending_tokens += 1
         self._accept_token(seq, seq.num_tokens - 1, token)  # the stop rules, the text, the metrics: m8's

@@ -32,11 +32,13 @@ from milestones.serving.prompts import Prompt, check_length, eos_token_ids, toke
 from milestones.serving.sampling_params import SamplingParams, checked_params
 from milestones.serving.structured_output import StructuredOutputManager
 
+from .block_manager import BlockManager
 from .config import EngineConfig
 from .disaggregation import Abort, NewRequest, Outputs, Prefilled, Query, Reply, Reserved, load_worker
-from .engine import serialized
+from .engine import LLMEngine, serialized
 from .model import ModelConfig
 from .router import Router
+from .scheduler import check_fits
 
 STEP_WAIT = 0.05  # seconds step() waits for a worker's message before it returns with none
 
@@ -71,8 +73,6 @@ class Workers(WorkerProcesses):
 
 def make_engine(config: EngineConfig) -> object:
     """m8's engine, or with prefill and decode workers asked for, the router in front of them."""
-    from .engine import LLMEngine
-
     if config.num_prefill_workers or config.num_decode_workers:
         return DisaggregatedEngine(config)
     return LLMEngine(config)
@@ -104,9 +104,9 @@ class DisaggregatedEngine:
         except BaseException:
             self._stop_workers()
             raise
-        self.num_kv_blocks = min(pools)
+        self.smallest_pool = BlockManager(min(pools), self.config.block_size)  # what a request must fit in
         self.router = Router(self.config.router_policy, self.num_prefill, self.num_decode, self.config.block_size,
-                             self.num_kv_blocks)
+                             min(pools))
 
     # --8<-- [start:start]
     def _start(self, config: EngineConfig) -> Workers:
@@ -150,7 +150,7 @@ class DisaggregatedEngine:
         params = checked_params(params)
         token_ids = tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
         check_length(len(token_ids), params.max_tokens, self.config.max_model_len)
-        self._check_fits(len(token_ids), params)
+        check_fits(len(token_ids), params.max_tokens, self.config.max_model_len, self.smallest_pool)
         if params.structured_outputs:
             self.structured.grammar(params.structured_outputs)  # a bad format is refused here, as m8 does
         if not self.router.alive_prefill or not self.router.alive_decode:
@@ -179,16 +179,6 @@ class DisaggregatedEngine:
         self.router.decode_load[decode] += 1
         self.requests[request_id] = Routed(request_id, prompt, token_ids, params, prefill, decode)
     # --8<-- [end:add_request]
-
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        longest = num_prompt_tokens + (params.max_tokens or self.config.max_model_len - num_prompt_tokens)
-        needed = -(-longest // self.config.block_size)
-        if needed > self.num_kv_blocks:
-            raise ValueError(
-                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of "
-                f"{self.config.block_size} tokens, but a worker's whole pool has {self.num_kv_blocks}: "
-                "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
-            )
 
     def pipe(self, worker: int) -> Connection:
         return self.workers.pipes_out[worker]
@@ -375,8 +365,17 @@ class DisaggregatedEngine:
         return self._ask(worker, "prompt_kv", which)
 
     @serialized
-    def graph_stats(self) -> dict[str, object]:
-        return {}
+    def spec_stats(self) -> dict[str, int | float]:
+        """m7 on the decode workers: guesses made and kept, added up over them."""
+        totals: dict[str, int] = {}
+        for worker in range(self.num_prefill, len(self.workers.pipes_out)):
+            if worker not in self.dead:
+                for key, count in self._ask(worker, "spec_stats").items():
+                    totals[key] = totals.get(key, 0) + count
+        drafted, accepted, guessing = (totals.get(k, 0) for k in ("num_draft_tokens", "num_accepted_tokens",
+                                                                  "num_guessing"))
+        return {"num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / max(1, drafted), "mean_tokens_per_step": 1 + accepted / max(1, guessing)}
 
     @serialized
     def close(self) -> None:

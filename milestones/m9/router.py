@@ -63,7 +63,7 @@ class Choice:
 
     worker: int
     reason: str  # "balance", "cache", "room" or "round robin"
-    matched: int  # prompt tokens the chosen worker's tree held
+    matched: int  # prompt tokens the chosen worker's tree held (round robin: 0, it keeps no trees)
 
 
 # --8<-- [start:choose]
@@ -83,7 +83,7 @@ class Router:
         if self.policy == "round_robin":
             worker = alive[self.next % len(alive)]
             self.next += 1
-            return Choice(worker, "round robin", self.trees[worker].match(token_ids))
+            return Choice(worker, "round robin", 0)  # it keeps no trees
         loads = [self.prefill_load[w] for w in alive]
         matches = {w: self.trees[w].match(token_ids) for w in alive}
         if max(loads) - min(loads) > BALANCE_ABS_THRESHOLD and max(loads) > min(loads) * BALANCE_REL_THRESHOLD:

@@ -59,22 +59,14 @@ class Scheduler:
         self.num_cached_tokens = 0  # of those, found in the prefix cache
 
     def add(self, seq: Sequence) -> None:
-        self.check_fits(seq)
-        speculative = self.config.speculative_config  # m7: a request starts guessing as many tokens as it may
-        seq.spec.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0
+        check_fits(seq.num_prompt_tokens, seq.params.max_tokens, self.config.max_model_len, self.block_manager)
+        self._start_guessing(seq)
         self.waiting.append(seq)
         self.by_id[seq.request_id] = seq
 
-    def check_fits(self, seq: Sequence) -> None:
-        """Refuse a request that could never fit in the whole pool, however long it waits."""
-        longest = seq.num_prompt_tokens + (seq.params.max_tokens or self.config.max_model_len - seq.num_prompt_tokens)
-        needed = self.block_manager.blocks_needed(longest)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"this request may grow to {longest} tokens, which needs {needed} KV blocks of "
-                f"{self.block_manager.block_size} tokens, but the whole pool has {self.block_manager.num_blocks}: "
-                "lower max_tokens, or give the engine more blocks (num_kv_blocks or kv_cache_memory_bytes)"
-            )
+    def _start_guessing(self, seq: Sequence) -> None:
+        speculative = self.config.speculative_config  # m7: a request starts guessing as many tokens as it may
+        seq.spec.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0
 
     # --8<-- [start:reserve]
     def reserve(self, seq: Sequence) -> list[int] | None:
@@ -93,13 +85,11 @@ class Scheduler:
         """m9, a decode worker: the prompt's keys and values are in its reserved blocks, so it runs from its first
         output token on, as if it had computed the prompt itself."""
         del self.reserved[seq.request_id]
-        speculative = self.config.speculative_config
-        seq.spec.num_lookahead = speculative.num_speculative_tokens if speculative is not None else 0
+        self._start_guessing(seq)
         seq.num_computed_tokens = seq.num_processed_tokens = seq.spec.num_drafted_tokens = seq.num_prompt_tokens
         if self.tree is not None:  # it locks the root: the next step inserts its prompt's blocks (``_cache``)
-            _, root = self.tree.match_prefix([])
-            self.tree.lock(root)
-            self.locked[seq.request_id], self.locked_tokens[seq.request_id] = root, 0
+            self.tree.lock(self.tree.root)
+            self.locked[seq.request_id], self.locked_tokens[seq.request_id] = self.tree.root, 0
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
     # --8<-- [end:reserve]
@@ -391,3 +381,16 @@ class Scheduler:
 
     def find(self, request_id: str) -> Sequence | None:
         return self.by_id.get(request_id)
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, blocks: BlockManager) -> None:
+    """Refuse a request that could never fit in the whole pool, however long it waits (m9: the router checks it
+    against its workers' pools before it sends the request anywhere)."""
+    longest = num_prompt_tokens + (max_tokens or max_model_len - num_prompt_tokens)
+    needed = blocks.blocks_needed(longest)
+    if needed > blocks.num_blocks:
+        raise ValueError(
+            f"this request may grow to {longest} tokens, which needs {needed} KV blocks of {blocks.block_size} "
+            f"tokens, but the whole pool has {blocks.num_blocks}: lower max_tokens, or give the engine more blocks "
+            "(num_kv_blocks or kv_cache_memory_bytes)"
+        )

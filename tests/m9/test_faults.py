@@ -19,6 +19,7 @@ from milestones.m9 import disaggregation
 from milestones.m9.config import EngineConfig
 from milestones.m9.scheduler import Scheduler
 from milestones.m9.sequence import Sequence
+from milestones.serving.outputs import RequestMetrics
 from tests.chain import LIMITS
 
 PARAMS = m9.SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -108,7 +109,7 @@ def test_a_transfer_that_stalls_fails_its_request_with_a_clear_error(monkeypatch
     side.advance()
     assert side.notices == [disaggregation.Reserved("r", [0, 1])] and scheduler.reserved
     scheduler.check_integrity()
-    side.prefilled(disaggregation.Prefilled("r", 7, [], [], 0, time.perf_counter()))
+    side.prefilled(disaggregation.Prefilled("r", 7, [], [], 0, RequestMetrics(), time.perf_counter()))
     time.sleep(0.1)
     side.advance()
     assert [f.request_id for f in outbox.failures] == ["r"] and "did not arrive within" in outbox.failures[0].error

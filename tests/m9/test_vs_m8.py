@@ -65,6 +65,8 @@ def test_guessing_on_the_decode_side_and_preempting_on_both(tiny_model_path, wor
         repeated = llm.generate([[5] * 16], params, use_tqdm=False)[0]
         assert repeated.metrics.num_draft_tokens > 0, (
             f"no guess was checked for {repeated.outputs[0].token_ids}: does start_decoding set the lookahead?")
+        assert llm.engine.spec_stats()["num_draft_tokens"] >= repeated.metrics.num_draft_tokens, (
+            "the router adds up its decode workers' guesses")
 
 
 def test_two_prefill_and_two_decode_workers_give_m8s_tokens(tiny_model_path, workload, reference):
